@@ -1,0 +1,1 @@
+"""Offline KV-scale calibration (qkv calibrate). Installed as qkv.calibrate."""

@@ -1,0 +1,1 @@
+"""Cache-write and paged-attention kernels (Triton) with torch references. Installed as qkv.kernels."""

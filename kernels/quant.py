@@ -1,0 +1,122 @@
+"""KV-cache storage dtypes and their quantize / dequantize semantics.
+
+Every kernel (Triton or torch) follows the conventions written here, which are
+vLLM's: ``q = x / s`` and ``x ~= q * s``; fp8 saturates to the largest finite
+value instead of producing NaN/inf (vLLM writes with ``__NV_SATFINITE``); int8
+is symmetric, rounds half to even and clamps to +-127 (-128 unused).
+
+Scales are always handed to kernels as fp32 tensors of shape ``[num_kv_heads]``
+(a per-tensor scale is broadcast to every head), so a kernel needs exactly one
+code path for both granularities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CacheDtype",
+    "resolve_cache_dtype",
+    "CACHE_DTYPE_NAMES",
+    "quantize",
+    "dequantize",
+    "dynamic_scales",
+    "DYNAMIC_SCALE_FLOOR",
+]
+
+# Smallest dynamic scale: an all-zero (token, head) row gets this scale, so
+# quantization never divides by zero and the row still decodes to exact zeros.
+DYNAMIC_SCALE_FLOOR = 1e-8
+
+
+@dataclass(frozen=True)
+class CacheDtype:
+    """What one layer's KV cache stores and how.
+
+    ``kind`` is ``"none"`` for an unquantized cache (bf16/fp16/fp32 copies of
+    K/V), ``"float"`` for fp8 and ``"int"`` for int8. ``dynamic`` marks the
+    per-token-head modes whose scales are computed at write time and stored
+    beside the block.
+    """
+
+    name: str
+    storage: torch.dtype
+    kind: str
+    qmax: float
+    dynamic: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.storage).element_size()
+
+    @property
+    def scale_bytes_per_head(self) -> int:
+        """Bytes of dynamic-scale storage per token per kv head, for K and V together."""
+        return 2 * 4 if self.dynamic else 0
+
+
+_E4M3 = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+_E5M2 = float(torch.finfo(torch.float8_e5m2).max)  # 57344
+
+_DTYPES: dict[str, CacheDtype] = {
+    "bfloat16": CacheDtype("bfloat16", torch.bfloat16, "none", 0.0),
+    "float16": CacheDtype("float16", torch.float16, "none", 0.0),
+    "float32": CacheDtype("float32", torch.float32, "none", 0.0),
+    "fp8_e4m3": CacheDtype("fp8_e4m3", torch.float8_e4m3fn, "float", _E4M3),
+    "fp8_e5m2": CacheDtype("fp8_e5m2", torch.float8_e5m2, "float", _E5M2),
+    "int8": CacheDtype("int8", torch.int8, "int", 127.0),
+    "fp8_per_token_head": CacheDtype("fp8_per_token_head", torch.float8_e4m3fn, "float", _E4M3, True),
+    "int8_per_token_head": CacheDtype("int8_per_token_head", torch.int8, "int", 127.0, True),
+}
+_ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
+
+CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
+                     "fp8_per_token_head", "int8_per_token_head")
+
+
+def resolve_cache_dtype(name: str, model_dtype: torch.dtype = torch.bfloat16) -> CacheDtype:
+    """Map a ``--kv-cache-dtype`` value to its :class:`CacheDtype` (``auto`` = model dtype)."""
+    key = _ALIASES.get(name, name)
+    if key == "auto":
+        key = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[model_dtype]
+    if key not in _DTYPES:
+        raise ValueError(
+            f"unknown kv-cache dtype {name!r}; choose one of: {', '.join(CACHE_DTYPE_NAMES)}")
+    return _DTYPES[key]
+
+
+def _scale_view(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Broadcast a ``[H]`` (static) or ``[T, H]`` (dynamic) scale over ``x = [T, H, D]``."""
+    return scale.to(torch.float32).unsqueeze(-1)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dt: CacheDtype) -> torch.Tensor:
+    """Quantize ``x`` ([T, H, D]) with ``scale`` ([H] or [T, H]) into ``dt.storage``."""
+    if not dt.quantized:
+        return x.to(dt.storage)
+    y = x.to(torch.float32) / _scale_view(scale, x)
+    if dt.kind == "int":
+        return torch.round(y).clamp_(-dt.qmax, dt.qmax).to(torch.int8)
+    # NaN inputs stay NaN; finite values saturate like __NV_SATFINITE.
+    return y.clamp(-dt.qmax, dt.qmax).to(dt.storage)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dt: CacheDtype,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize`, computed in fp32 and cast to ``out_dtype``."""
+    if not dt.quantized:
+        return q.to(out_dtype)
+    assert scale is not None
+    return (q.to(torch.float32) * _scale_view(scale, q)).to(out_dtype)
+
+
+def dynamic_scales(x: torch.Tensor, dt: CacheDtype) -> torch.Tensor:
+    """Per-(token, head) scales for the dynamic modes: ``amax(|x|, dim=-1) / qmax``, floored."""
+    amax = x.to(torch.float32).abs().amax(dim=-1)
+    return torch.clamp(amax / dt.qmax, min=DYNAMIC_SCALE_FLOOR)

@@ -1,0 +1,209 @@
+"""LLMEngine: ``add_request`` / ``step`` / ``abort_request``; the loop is scheduler -> runner -> outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .block_pool import BlockPool
+from .config import EngineConfig, parse_size
+from .kv_cache import KVCache, capacity_line, plan_num_blocks
+from .kv_cache_manager import KVCacheManager, cdiv
+from .layer_specs import build_layer_specs
+from .model_loader import attention_layout, load_model, load_tokenizer, resolve_dtype, text_config
+from .attention import get_backend
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from .stats import EngineStats
+
+__all__ = ["LLMEngine"]
+
+logger = logging.getLogger("qkv")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        from .registry import resolve_model  # pulls a registry name on first use
+        self.model_path: Path = resolve_model(config.model)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = load_tokenizer(self.model_path)
+        from .model_loader import load_config
+        hf_config = load_config(self.model_path)
+        self.dtype = resolve_dtype(config.dtype, text_config(hf_config))
+        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.hf_config = text_config(self.model.config)
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+
+        layout = attention_layout(self.model)
+        self.layer_specs = build_layer_specs(layout, config.kv_cache_dtype, self.dtype,
+                                             config.kv_cache_dtype_skip_layers)
+        from .scales import resolve_scales
+        scales = resolve_scales(self.layer_specs, self.model_path, config.kv_scales, config.kv_cache_dtype)
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        else:
+            memory = parse_size(config.kv_cache_memory or EngineConfig.DEFAULT_KV_CACHE_MEMORY)
+            num_blocks = plan_num_blocks(self.layer_specs, config.block_size, memory)
+        self.cache = KVCache(self.layer_specs, num_blocks, config.block_size, self.device, scales)
+        self.block_size = config.block_size
+        max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.max_model_len or min(max_pos, (num_blocks - 1) * self.block_size)
+        self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device)
+        self.stats = EngineStats()
+        self.eos_token_ids = self._eos_ids()
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.capacity = capacity_line(self.cache, self.max_model_len)
+        logger.info(self.capacity)
+
+    # -- set-up helpers -----------------------------------------------------
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(src)
+        return ids
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.cache.bytes_per_token
+
+    def kv_bytes_per_token_by_layer(self) -> list[int]:
+        return [s.bytes_per_token for s in self.layer_specs]
+
+    # -- requests -------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request. Raises ``ValueError`` before touching any engine state."""
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("prompt is empty: give at least one token")
+        token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        n = len(token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
+        total = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
+        need = cdiv(total, self.block_size)
+        if need > self.pool.num_usable_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks ({total} tokens) but the cache has only "
+                f"{self.pool.num_usable_blocks}; raise --kv-cache-memory/--num-blocks or lower max_tokens")
+        seq = Sequence(request_id, token_ids, params, self.block_size,
+                       prompt if isinstance(prompt, str) else None, arrival_time)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a waiting or running request and free its blocks; ``False`` if unknown or done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.finished:
+            return False
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        seq.metrics.finished_time = time.monotonic()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample, and return outputs of sequences that advanced."""
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        self.stats.num_alloc_failures = self.scheduler.num_alloc_failures
+        if sched.empty:
+            self._update_gauges()
+            return []
+        new_tokens = iter(self.runner.execute(sched, self.block_size))
+        now = time.monotonic()
+        outputs = []
+        for item in sched.scheduled:
+            seq = item.seq
+            samples = item.samples
+            seq.num_computed_tokens += item.num_new_tokens
+            self.kv_manager.cache_blocks(seq)
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.stats.prompt_tokens += item.num_new_tokens
+            if not samples:
+                continue
+            seq.append_token(next(new_tokens))
+            self.stats.generation_tokens += 1
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+                self.stats.ttfts.append(now - seq.metrics.arrival_time)
+            self._check_stop(seq)
+            if seq.finished:
+                self.scheduler.finish(seq, seq.status)
+                seq.metrics.finished_time = now
+                self.requests.pop(seq.request_id, None)
+                tpot = seq.metrics.tpot(len(seq.output_token_ids))
+                if tpot is not None:
+                    self.stats.tpots.append(tpot)
+            outputs.append(self._output(seq))
+        self.stats.num_steps += 1
+        self._update_gauges()
+        return outputs
+
+    def _update_gauges(self) -> None:
+        self.stats.num_running = len(self.scheduler.running)
+        self.stats.num_waiting = len(self.scheduler.waiting)
+        self.stats.kv_usage = self.pool.usage()
+        self.stats.prefix_cache_queries = self.kv_manager.prefix_queries
+        self.stats.prefix_cache_hits = self.kv_manager.prefix_hits
+
+    def _check_stop(self, seq: Sequence) -> None:
+        p = seq.params
+        last = seq.output_token_ids[-1]
+        n_out = len(seq.output_token_ids)
+        seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and last in self.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if last in p.stop_token_ids:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, last
+                return
+            for s in p.stop:
+                at = seq.output_text.find(s)
+                if at != -1:
+                    seq.output_text = seq.output_text[:at]
+                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, s
+                    return
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason(),
+                                seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp], seq.finished,
+                             seq.metrics, seq.metrics.num_cached_tokens)

@@ -1,0 +1,111 @@
+"""KV tensors per layer, allocated once, and the capacity arithmetic behind them.
+
+Every layer has its own storage dtype and scales (skipped layers stay BF16),
+so capacity is planned from per-layer bytes per token:
+``2 * num_kv_heads * head_dim * itemsize`` (+ ``2 * num_kv_heads * 4`` bytes
+of scales for the dynamic per-token-head modes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.quant import CacheDtype
+
+__all__ = ["LayerSpec", "LayerCache", "KVCache", "plan_num_blocks", "capacity_line"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Static facts about one attention layer's cache."""
+
+    layer_idx: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: CacheDtype
+    sliding_window: int | None = None
+
+    @property
+    def bytes_per_token(self) -> int:
+        per_head = 2 * self.head_dim * self.dtype.itemsize + self.dtype.scale_bytes_per_head
+        return self.num_kv_heads * per_head
+
+
+@dataclass
+class LayerCache:
+    spec: LayerSpec
+    kv: torch.Tensor                      # [num_blocks, 2, block_size, Hkv, D]
+    k_scale: torch.Tensor | None = None   # [Hkv] fp32 (static modes)
+    v_scale: torch.Tensor | None = None
+    scale_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, Hkv] fp32 (dynamic modes)
+
+
+def bytes_per_block(specs: list[LayerSpec], block_size: int) -> int:
+    return block_size * sum(s.bytes_per_token for s in specs)
+
+
+def plan_num_blocks(specs: list[LayerSpec], block_size: int, kv_cache_memory: int) -> int:
+    """How many blocks (null block included) fit in ``kv_cache_memory`` bytes."""
+    n = kv_cache_memory // bytes_per_block(specs, block_size)
+    if n < 2:
+        raise ValueError(
+            f"--kv-cache-memory {kv_cache_memory} B holds {n} blocks of "
+            f"{bytes_per_block(specs, block_size)} B; need at least 2")
+    return int(n)
+
+
+class KVCache:
+    """All layers' cache tensors; block ids are shared by every layer."""
+
+    def __init__(self, specs: list[LayerSpec], num_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu",
+                 scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.specs = specs
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.layers: list[LayerCache] = []
+        for s in specs:
+            kv = torch.zeros(num_blocks, 2, block_size, s.num_kv_heads, s.head_dim,
+                             dtype=s.dtype.storage, device=device)
+            layer = LayerCache(s, kv)
+            if s.dtype.dynamic:
+                layer.scale_cache = torch.ones(num_blocks, 2, block_size, s.num_kv_heads,
+                                               dtype=torch.float32, device=device)
+            elif s.dtype.quantized:
+                k, v = (scales or {}).get(s.layer_idx, (torch.ones(1), torch.ones(1)))
+                layer.k_scale = k.to(torch.float32).expand(s.num_kv_heads).contiguous().to(device)
+                layer.v_scale = v.to(torch.float32).expand(s.num_kv_heads).contiguous().to(device)
+            self.layers.append(layer)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(s.bytes_per_token for s in self.specs)
+
+    @property
+    def num_bytes(self) -> int:
+        total = 0
+        for layer in self.layers:
+            total += layer.kv.numel() * layer.kv.element_size()
+            if layer.scale_cache is not None:
+                total += layer.scale_cache.numel() * 4
+        return total
+
+    def dtype_summary(self) -> str:
+        """e.g. ``fp8_e4m3 x26 + bfloat16 x4`` for a cache with skipped layers."""
+        counts: dict[str, int] = {}
+        for s in self.specs:
+            counts[s.dtype.name] = counts.get(s.dtype.name, 0) + 1
+        return " + ".join(f"{k} x{v}" for k, v in counts.items())
+
+
+def capacity_line(cache: KVCache, max_model_len: int) -> str:
+    """vLLM-style capacity report: blocks, tokens, and maximum concurrency at max_model_len."""
+    usable = cache.num_blocks - 1
+    tokens = usable * cache.block_size
+    blocks_per_seq = -(-max_model_len // cache.block_size)
+    return (f"KV cache: {usable:,} blocks x {cache.block_size} tokens = {tokens:,} tokens "
+            f"({cache.dtype_summary()}, {cache.bytes_per_token:,} B/token, "
+            f"{cache.num_bytes / 2**20:,.1f} MiB); maximum concurrency for {max_model_len:,} tokens "
+            f"per request: {usable / blocks_per_seq:.2f}x")

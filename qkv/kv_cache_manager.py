@@ -1,0 +1,89 @@
+"""Per-sequence block tables on top of the :class:`BlockPool`, with automatic prefix caching."""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool, KVBlock
+from .sequence import Sequence
+
+__all__ = ["KVCacheManager"]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates, shares and frees the blocks of each sequence.
+
+    A sequence's block list *is* its block table: block ``i`` holds tokens
+    ``[i * block_size, (i + 1) * block_size)``. Full blocks are published in the
+    prefix cache by their chained hash right after their tokens are written.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0     # tokens found there
+
+    def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
+        """The longest run of cached full blocks that starts the sequence.
+
+        At least one token is always left to compute: the step must produce
+        logits for the last token, so a fully cached prompt gives back its last
+        block (vLLM does the same).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[KVBlock] = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; ``False`` (and no change) if blocks run out.
+
+        ``computed_blocks`` are prefix-cache hits for a sequence that has no
+        blocks yet; they are referenced first, so allocation cannot evict them.
+        """
+        computed_blocks = computed_blocks or []
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = cdiv(num_computed + num_new_tokens, self.block_size) - len(seq.blocks) - len(computed_blocks)
+        # Hits that are free (ref 0) are still counted in num_free_blocks: do not allocate them twice.
+        evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - evictable_hits:
+            return False
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            seq.blocks.extend(computed_blocks)
+            seq.num_computed_tokens = num_computed
+            seq.metrics.num_cached_tokens = num_computed
+        if need > 0:
+            seq.blocks.extend(self.pool.get_new_blocks(need))
+        return True
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Publish every block whose tokens are all computed (call after the step's forward)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(num_full):
+            self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i])
+
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks, tail first, so its prefix stays cached longest."""
+        self.pool.free_blocks(reversed(seq.blocks))
+        seq.blocks = []
+        seq.num_computed_tokens = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,36 @@
+"""Decide each layer's cache dtype: ``--kv-cache-dtype`` minus ``--kv-cache-dtype-skip-layers``."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import parse_skip_layers
+from .kernels.quant import resolve_cache_dtype
+from .kv_cache import LayerSpec
+
+__all__ = ["build_layer_specs"]
+
+
+def build_layer_specs(layout: list[dict], kv_cache_dtype: str, model_dtype: torch.dtype,
+                      skip_layers=None) -> list[LayerSpec]:
+    """One :class:`LayerSpec` per layer; skipped layers keep the model dtype (BF16 for bf16 models).
+
+    ``skip_layers`` takes ``"sliding_window"`` and/or layer indices, as vLLM's
+    ``--kv-cache-dtype-skip-layers``. Indices are checked against the model.
+    """
+    dt = resolve_cache_dtype(kv_cache_dtype, model_dtype)
+    plain = resolve_cache_dtype("auto", model_dtype)
+    skip_sliding, indices = parse_skip_layers(skip_layers)
+    n = len(layout)
+    bad = [i for i in indices if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"--kv-cache-dtype-skip-layers index {bad[0]} is out of range: "
+                         f"the model has {n} layers (0..{n - 1})")
+    if skip_sliding and not any(d["sliding_window"] for d in layout):
+        raise ValueError("--kv-cache-dtype-skip-layers sliding_window: this model has no sliding-window layers")
+    specs = []
+    for d in layout:
+        skip = d["layer_idx"] in indices or (skip_sliding and d["sliding_window"] is not None)
+        specs.append(LayerSpec(d["layer_idx"], d["num_kv_heads"], d["head_dim"],
+                               plain if skip else dt, d["sliding_window"]))
+    return specs

@@ -1,0 +1,83 @@
+"""Load a Hugging Face causal LM with qkv's paged attention, and describe its attention layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from .attention import register
+
+__all__ = ["load_model", "load_tokenizer", "text_config", "attention_layout", "resolve_dtype"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
+           "float": torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (bf16 when it names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(d, str):
+            d = _DTYPES.get(d, torch.bfloat16)
+        return d if isinstance(d, torch.dtype) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, bfloat16, float16 or float32")
+    return _DTYPES[dtype]
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """Multimodal configs (e.g. Gemma 3) keep the decoder's fields in ``text_config``."""
+    return getattr(config, "text_config", None) or config
+
+
+def load_tokenizer(path: str | Path):
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+               attn_implementation: str | None = None) -> torch.nn.Module:
+    """Instantiate transformers' own model class with ``attn_implementation="qkv_paged"``."""
+    impl = attn_implementation or register()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=impl)
+    return model.to(device).eval()
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def attention_layout(model: torch.nn.Module) -> list[dict]:
+    """Per layer: ``num_kv_heads``, ``head_dim`` and ``sliding_window`` (``None`` for full attention).
+
+    Where the module itself names its window (Gemma 3, Qwen2/3) that wins;
+    otherwise ``config.layer_types``, and for Mistral-style configs a global
+    ``sliding_window`` applies to every layer, as transformers passes it.
+    """
+    cfg = text_config(model.config)
+    layer_types = getattr(cfg, "layer_types", None)
+    out = []
+    for m in _attention_modules(model):
+        i = m.layer_idx
+        if hasattr(m, "sliding_window"):
+            window = m.sliding_window
+        elif layer_types:
+            window = cfg.sliding_window if layer_types[i] == "sliding_attention" else None
+        else:
+            window = getattr(cfg, "sliding_window", None)
+        head_dim = getattr(m, "head_dim", None) or getattr(cfg, "head_dim", None) \
+            or cfg.hidden_size // cfg.num_attention_heads
+        out.append({"layer_idx": i, "num_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
+                    "sliding_window": window})
+    if [d["layer_idx"] for d in out] != list(range(cfg.num_hidden_layers)):
+        raise ValueError("could not find one attention module per layer in this model")
+    return out
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(str(path))

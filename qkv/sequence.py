@@ -1,0 +1,131 @@
+"""One request's state as the scheduler and runner see it, and the outputs it yields."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_pool import BlockHash, KVBlock, hash_block_tokens
+from .sampling import SamplingParams
+
+__all__ = ["SequenceStatus", "Sequence", "CompletionOutput", "RequestOutput", "RequestMetrics"]
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def tpot(self, num_output_tokens: int) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT)."""
+        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+
+class Sequence:
+    """Token ids, KV blocks and progress of one request.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache. Prefill
+    (also after preemption, which recomputes prompt *and* generated tokens)
+    advances it in chunks; each decode step advances it by one.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 block_size: int, prompt: str | None = None, arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.blocks: list[KVBlock] = []
+        self.num_computed_tokens = 0
+        self.block_hashes: list[BlockHash] = []
+        self.output_text = ""
+        self.stop_reason: str | int | None = None
+        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self._update_block_hashes()
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        """Extend the chained hashes to every block that is now full of known tokens."""
+        tokens = self.all_token_ids
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(tokens):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.finished else None
