@@ -57,6 +57,7 @@ class EngineConfig:
     attention_backend: str | None = None
     device: str | None = None
     seed: int = 0
+    batch_invariant: bool = False
     extra: dict = field(default_factory=dict)
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither memory nor num_blocks is given

@@ -60,7 +60,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.backend = get_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device)
+        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, config.batch_invariant)
         self.stats = EngineStats()
         self.eos_token_ids = self._eos_ids()
         self.requests: dict[str, Sequence] = {}

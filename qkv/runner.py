@@ -9,9 +9,12 @@ token produce logits (``logits_to_keep`` with indices).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .attention import AttentionBackend, StepContext
+from .batch_invariant import PerSequenceLinear
 from .kv_cache import KVCache
 from .sampling import sample
 from .scheduler import SchedulerOutput
@@ -63,8 +66,9 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache, backend: AttentionBackend,
-                 device: torch.device) -> None:
+                 device: torch.device, batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant
         self.cache = cache
         self.backend = backend
         self.device = device
@@ -91,14 +95,19 @@ class ModelRunner:
         """
         idx = inp.logits_indices if logits_indices is None else list(logits_indices)
         ctx = self.context(inp, observer)
-        out = self.model(
-            input_ids=torch.tensor([inp.input_ids], device=self.device),
-            position_ids=torch.tensor([inp.positions], device=self.device),
-            attention_mask=None,
-            use_cache=False,
-            logits_to_keep=torch.tensor(idx, dtype=torch.long, device=self.device),
-            qkv_ctx=ctx,
-        )
+        mode = contextlib.nullcontext()
+        if self.batch_invariant:
+            qsl = inp.query_start_loc
+            mode = PerSequenceLinear([b - a for a, b in zip(qsl, qsl[1:])])
+        with mode:
+            out = self.model(
+                input_ids=torch.tensor([inp.input_ids], device=self.device),
+                position_ids=torch.tensor([inp.positions], device=self.device),
+                attention_mask=None,
+                use_cache=False,
+                logits_to_keep=torch.tensor(idx, dtype=torch.long, device=self.device),
+                qkv_ctx=ctx,
+            )
         return out.logits[0]
 
     def execute(self, sched: SchedulerOutput, block_size: int) -> list[int]:

@@ -1,0 +1,214 @@
+"""Triton kernel that quantizes new K/V and scatters them into the paged cache.
+
+Same signature and byte-for-byte the same result as :func:`qkv.kernels.reference.write_kv_cache`
+(layout and conventions are documented there and in ``quant.py``).
+
+Bit-exactness notes. The kernel never relies on a float cast to round:
+
+* fp32 division uses ``tl.math.div_rn`` (IEEE round-to-nearest), because ``/`` may be
+  approximate on a GPU.
+* fp8: the value is clamped to +-qmax (saturating, NaN stays NaN) and rounded
+  half-to-even onto the fp8 grid *in fp32*, subnormals included, so the final
+  cast only re-encodes an exactly representable value. Triton 3.9's interpreter
+  rounds fp32 -> float8e4nv wrongly when the rounding carries into the exponent
+  (1.98 -> 1.0) and does not saturate (500 -> 256, 464 -> NaN).
+* int8: round-half-to-even with the ``1.5 * 2**23`` magic number (``libdevice.rint``
+  does not exist in the interpreter), then an exact cast.
+* bf16 copy: rounded half-to-even on the fp32 bits, because the interpreter
+  truncates fp32 -> bf16.
+
+One program writes one token (grid = ``(T,)``): all kv heads of K and V, plus their
+dynamic scales; a ``-1`` slot masks every store of its program.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant import DYNAMIC_SCALE_FLOOR, CacheDtype
+
+__all__ = ["triton_write_kv_cache"]
+
+_RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (x + M) - M rounds half-to-even for |x| < 2**22
+DYNAMIC_FLOOR = tl.constexpr(DYNAMIC_SCALE_FLOOR)
+
+
+@triton.jit
+def _rint(x):
+    """Round fp32 ``x`` (|x| < 2**22) to the nearest integer, ties to even."""
+    return (x + _RINT_MAGIC) - _RINT_MAGIC
+
+
+@triton.jit
+def _round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round fp32 ``y`` (already clamped to +-qmax) half-to-even onto an fp8 grid.
+
+    The grid spacing (ulp) at ``|y|`` is ``2**(max(e, MIN_EXP) - MANT_BITS)`` with
+    ``e = floor(log2|y|)``; below the smallest normal ``2**MIN_EXP`` it is the
+    subnormal step. Scaling by a power of two is exact, so the result is exactly
+    representable in the fp8 format and the following cast cannot round.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127
+    ulp_exp = tl.maximum(exp, MIN_EXP) - MANT_BITS
+    ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+    r = _rint(tl.abs(y) * inv_ulp) * ulp
+    return tl.where(bits < 0, -r, r)  # keeps the sign of -0.0 and of tiny negatives
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """Round fp32 ``x`` half-to-even to bf16 precision (result still fp32, exact in bf16)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _quantize(x, scale, KIND: tl.constexpr, QMAX: tl.constexpr, MANT_BITS: tl.constexpr,
+              MIN_EXP: tl.constexpr, ROUND_BF16: tl.constexpr, out_ty: tl.constexpr):
+    """``x`` fp32 [BLOCK_H, BLOCK_D], ``scale`` fp32 [BLOCK_H] -> values of ``out_ty``."""
+    if KIND == 0:  # unquantized copy
+        if ROUND_BF16:
+            x = _round_to_bf16(x)
+        return x.to(out_ty)
+    y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    y = tl.maximum(y, -QMAX, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.minimum(y, QMAX, propagate_nan=tl.PropagateNan.ALL)
+    if KIND == 1:  # int8: clamping first, then rounding, equals torch's round-then-clamp
+        return tl.where(y != y, 0.0, _rint(y)).to(out_ty)  # NaN -> 0, as torch on CPU
+    q = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP).to(out_ty).to(tl.uint8, bitcast=True)
+    # NaN -> 0x7F / 0xFF (sign kept) like torch; the interpreter would write 384
+    nan_byte = tl.where(y.to(tl.int32, bitcast=True) < 0, 0xFF, 0x7F).to(tl.uint8)
+    return tl.where(y != y, nan_byte, q).to(out_ty, bitcast=True)
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, scale_cache_ptr,
+    num_heads, head_dim, block_size,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ckv, stride_cs, stride_ch,
+    stride_sb, stride_skv, stride_ss,
+    KIND: tl.constexpr, DYNAMIC: tl.constexpr, QMAX: tl.constexpr,
+    MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    heads = tl.where(slot >= 0, num_heads, 0)  # slot -1: padding token, store nothing
+    slot = tl.maximum(slot, 0)
+    block = slot // block_size
+    offset = slot % block_size
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < heads
+    mask = h_ok[:, None] & (d[None, :] < head_dim)
+    k = tl.load(key_ptr + token * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+    v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
+
+    if KIND == 0:
+        k_scale = tl.full((BLOCK_H,), 1.0, tl.float32)
+        v_scale = k_scale
+    elif DYNAMIC:
+        # amax(|x|) / qmax, floored; stored beside the block
+        k_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(k), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)),
+                             DYNAMIC_FLOOR)
+        v_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)),
+                             DYNAMIC_FLOOR)
+        s_base = scale_cache_ptr + block * stride_sb + offset * stride_ss + h
+        tl.store(s_base, k_scale, mask=h_ok)
+        tl.store(s_base + stride_skv, v_scale, mask=h_ok)
+    else:
+        k_scale = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)
+        v_scale = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
+
+    out_ty = cache_ptr.dtype.element_ty
+    kq = _quantize(k, k_scale, KIND, QMAX, MANT_BITS, MIN_EXP, ROUND_BF16, out_ty)
+    vq = _quantize(v, v_scale, KIND, QMAX, MANT_BITS, MIN_EXP, ROUND_BF16, out_ty)
+    c_base = cache_ptr + block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :]
+    tl.store(c_base, kq, mask=mask)
+    tl.store(c_base + stride_ckv, vq, mask=mask)
+
+# (mantissa bits, exponent of the smallest normal) of each fp8 storage format
+_FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+
+
+def _check_scale(name: str, scale: torch.Tensor | None, num_heads: int, device) -> torch.Tensor:
+    if scale is None:
+        raise ValueError(f"{name} is required for a statically scaled quantized cache")
+    scale = torch.as_tensor(scale, device=device).to(torch.float32).reshape(-1)
+    if scale.numel() == 1:
+        scale = scale.expand(num_heads)
+    if scale.numel() != num_heads:
+        raise ValueError(f"{name} must have shape [num_kv_heads={num_heads}] (or one element), "
+                         f"got {scale.numel()} elements")
+    return scale.contiguous()
+
+
+def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor, dt: CacheDtype,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                          scale_cache: torch.Tensor | None = None) -> None:
+    """Quantize ``key``/``value`` ([T, Hkv, D]) and scatter them into ``kv_cache`` at ``slot_mapping``."""
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and {tuple(value.shape)}")
+    num_tokens, num_heads, head_dim = key.shape
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or tuple(kv_cache.shape[3:]) != (num_heads, head_dim):
+        raise ValueError(f"kv_cache must be [num_blocks, 2, block_size, {num_heads}, {head_dim}], "
+                         f"got {tuple(kv_cache.shape)}")
+    if kv_cache.dtype != dt.storage:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} does not match {dt.name} storage {dt.storage}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in its last (head_dim) dimension")
+    if slot_mapping.dim() != 1 or slot_mapping.numel() != num_tokens:
+        raise ValueError(f"slot_mapping must be [T={num_tokens}], got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+        if t.device != kv_cache.device:
+            raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
+    if num_tokens == 0:
+        return
+    num_blocks, _, block_size = kv_cache.shape[:3]
+
+    kind = {"none": 0, "int": 1, "float": 2}[dt.kind]
+    if dt.dynamic:
+        expected = (num_blocks, 2, block_size, num_heads)
+        if scale_cache is None:
+            raise ValueError(f"{dt.name} needs a scale_cache of shape {expected}")
+        if tuple(scale_cache.shape) != expected or scale_cache.dtype != torch.float32:
+            raise ValueError(f"scale_cache must be float32 {expected}, got {scale_cache.dtype} "
+                             f"{tuple(scale_cache.shape)}")
+        if scale_cache.stride(-1) != 1 or scale_cache.device != kv_cache.device:
+            raise ValueError("scale_cache must be on kv_cache's device and contiguous in its last dimension")
+        k_scale = v_scale = scale_cache  # unused placeholders
+    elif dt.quantized:
+        k_scale = _check_scale("k_scale", k_scale, num_heads, kv_cache.device)
+        v_scale = _check_scale("v_scale", v_scale, num_heads, kv_cache.device)
+    else:
+        k_scale = v_scale = kv_cache  # unused placeholders
+    if scale_cache is None or not dt.dynamic:
+        scale_cache, s_strides = kv_cache, (0, 0, 0)
+    else:
+        s_strides = scale_cache.stride()[:3]
+
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    mant_bits, min_exp = _FP8_GRID.get(dt.storage, (0, 0))
+    _write_kv_kernel[(num_tokens,)](
+        key, value, kv_cache, slot_mapping, k_scale, v_scale, scale_cache,
+        num_heads, head_dim, block_size,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *kv_cache.stride()[:4], *s_strides,
+        KIND=kind, DYNAMIC=dt.dynamic, QMAX=float(dt.qmax),
+        MANT_BITS=mant_bits, MIN_EXP=min_exp,
+        ROUND_BF16=dt.storage == torch.bfloat16,
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
