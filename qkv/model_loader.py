@@ -43,7 +43,13 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                attn_implementation: str | None = None) -> torch.nn.Module:
     """Instantiate transformers' own model class with ``attn_implementation="qkv_paged"``."""
     impl = attn_implementation or register()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=impl)
+    config = AutoConfig.from_pretrained(str(path))
+    # A calibrated checkpoint carries compressed-tensors' kv_cache_scheme; the weights are plain, and
+    # qkv reads the scales itself (qkv.scales), so transformers must not look for a quantizer.
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
+                                                 attn_implementation=impl)
     return model.to(device).eval()
 
 

@@ -1,18 +1,50 @@
-"""Where each quantized layer's static K/V scales come from."""
+"""Static K/V scales: read them from any checkpoint vLLM reads, validate them, hand them to the cache.
+
+Sources, in the order vLLM remaps them:
+
+* compressed-tensors / llm-compressor: ``quantization_config.kv_cache_scheme`` in
+  ``config.json`` and ``model.layers.N.self_attn.k_scale`` / ``v_scale`` tensors
+  (fp32 or the model dtype; shape ``[]``, ``[1]``, ``[Hkv]`` or ``[Hkv, 1, 1]``);
+* ModelOpt: ``self_attn.k_proj.k_scale`` / ``self_attn.v_proj.v_scale``;
+* legacy: one ``self_attn.kv_scale`` used for both K and V;
+* qkv's own section (``config.json["qkv_kv_cache"]``) for what vLLM cannot read:
+  static INT8 and the qkv extensions, with tensors in ``qkv_kv_scales.safetensors``.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from .kv_cache import LayerSpec
 
-__all__ = ["resolve_scales"]
+__all__ = ["KVScales", "read_kv_scales", "resolve_scales", "QKV_SECTION", "QKV_SCALES_FILE"]
 
 logger = logging.getLogger("qkv")
-_warned = set()
+
+QKV_SECTION = "qkv_kv_cache"
+QKV_SCALES_FILE = "qkv_kv_scales.safetensors"
+_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:(?:k_proj|v_proj)\.)?(k_scale|v_scale|kv_scale)$")
+_warned: set[str] = set()
+
+
+@dataclass
+class KVScales:
+    """Per-layer fp32 scales plus what they were calibrated for."""
+
+    kind: str                      # "float" (fp8) or "int" (int8)
+    strategy: str                  # "tensor" or "head" (compressed-tensors "attn_head")
+    k: dict[int, torch.Tensor] = field(default_factory=dict)
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+    source: str = ""
+    meta: dict = field(default_factory=dict)
 
 
 def _warn_once(msg: str) -> None:
@@ -21,23 +53,97 @@ def _warn_once(msg: str) -> None:
         logger.warning(msg)
 
 
+def _scheme(config: dict) -> tuple[dict | None, dict | None]:
+    qc = config.get("quantization_config") or {}
+    return qc.get("kv_cache_scheme"), config.get(QKV_SECTION)
+
+
+def _tensor_files(path: Path, qkv_section: dict | None) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if qkv_section is not None:
+        return [path / qkv_section.get("scales_file", QKV_SCALES_FILE)]
+    return sorted(path.glob("*.safetensors"))
+
+
+def read_kv_scales(path: str | Path) -> KVScales | None:
+    """Scales stored in a checkpoint directory or a ``.safetensors`` file; ``None`` if it has none."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--kv-scales {path}: no such file or directory")
+    config: dict = {}
+    if path.is_dir() and (path / "config.json").exists():
+        config = json.loads((path / "config.json").read_text())
+    scheme, section = _scheme(config)
+    k: dict[int, torch.Tensor] = {}
+    v: dict[int, torch.Tensor] = {}
+    for f in _tensor_files(path, section):
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                m = _NAME.search(name)
+                if not m:
+                    continue
+                layer, which = int(m.group(1)), m.group(2)
+                t = fh.get_tensor(name).to(torch.float32).reshape(-1)
+                if which in ("k_scale", "kv_scale"):
+                    k[layer] = t
+                if which in ("v_scale", "kv_scale"):
+                    v[layer] = t
+    if not k and not v:
+        return None
+    src = section or scheme or {}
+    kind = src.get("type", "float")
+    strategy = {"attn_head": "head"}.get(src.get("strategy", "tensor"), src.get("strategy", "tensor"))
+    meta = dict(section) if section else {}
+    return KVScales(kind, strategy, k, v, str(path), meta)
+
+
+def _check(scales: KVScales, specs: list[LayerSpec]) -> None:
+    n = len(specs)
+    layers = sorted(set(scales.k) | set(scales.v))
+    if layers != list(range(n)) or sorted(scales.k) != sorted(scales.v):
+        raise ValueError(f"scales in {scales.source} cover layers {layers[:3]}..{layers[-1:]} "
+                         f"({len(layers)} layers, K {len(scales.k)} / V {len(scales.v)}) "
+                         f"but the model has {n} layers")
+    for spec in specs:
+        for name, t in (("k_scale", scales.k[spec.layer_idx]), ("v_scale", scales.v[spec.layer_idx])):
+            if t.numel() not in (1, spec.num_kv_heads):
+                raise ValueError(f"layer {spec.layer_idx} {name} in {scales.source} has {t.numel()} values "
+                                 f"but the model has {spec.num_kv_heads} kv heads (expected 1 or {spec.num_kv_heads})")
+            bad = [x for x in t.tolist() if not (math.isfinite(x) and x > 0)]
+            if bad:
+                raise ValueError(f"layer {spec.layer_idx} {name} in {scales.source} is {bad[0]}: "
+                                 f"scales must be finite and > 0")
+
+
 def resolve_scales(specs: list[LayerSpec], model_path: Path, kv_scales: str | None,
                    kv_cache_dtype: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Static scales per quantized layer, as ``{layer_idx: (k_scale, v_scale)}``.
+    """Static scales per quantized layer, as ``{layer_idx: (k_scale, v_scale)}`` (fp32, ``[1]`` or ``[Hkv]``).
 
-    Uncalibrated fp8 falls back to scale 1.0 with a warning, as vLLM does;
-    static int8 has no sensible default, so it is an error that says how to calibrate.
+    ``--kv-scales`` wins over scales the model checkpoint carries. Uncalibrated
+    fp8 falls back to scale 1.0 with a warning, as vLLM does; static int8 has
+    no sensible default, so it is an error that says how to calibrate.
     """
     static = [s for s in specs if s.dtype.quantized and not s.dtype.dynamic]
     if not static:
         return {}
-    if kv_scales is not None:
-        raise NotImplementedError("--kv-scales is not implemented yet")
-    if static[0].dtype.kind == "int":
-        raise ValueError(
-            f"--kv-cache-dtype {kv_cache_dtype} needs calibrated scales: run "
-            f"`qkv calibrate MODEL --kv-cache-dtype int8 -o OUT` and pass OUT as the model or --kv-scales OUT, "
-            f"or use the dynamic int8_per_token_head mode")
-    _warn_once(f"Using KV cache scaling factor 1.0 for {kv_cache_dtype}: the checkpoint has no calibrated "
-               f"k_scale/v_scale. This may hurt accuracy; calibrate with `qkv calibrate`.")
-    return {s.layer_idx: (torch.ones(1), torch.ones(1)) for s in static}
+    want = static[0].dtype.kind
+    scales = read_kv_scales(kv_scales) if kv_scales is not None else read_kv_scales(model_path)
+    if kv_scales is not None and scales is None:
+        raise ValueError(f"--kv-scales {kv_scales} holds no k_scale/v_scale tensors")
+    if scales is None:
+        if want == "int":
+            raise ValueError(
+                f"--kv-cache-dtype {kv_cache_dtype} needs calibrated scales: run "
+                f"`qkv calibrate MODEL --kv-cache-dtype int8 -o OUT` and pass OUT as the model or "
+                f"--kv-scales OUT, or use the dynamic int8_per_token_head mode")
+        _warn_once(f"Using KV cache scaling factor 1.0 for {kv_cache_dtype}: the checkpoint has no calibrated "
+                   f"k_scale/v_scale. This may hurt accuracy; calibrate with `qkv calibrate`.")
+        return {s.layer_idx: (torch.ones(1), torch.ones(1)) for s in static}
+    if scales.kind != want:
+        have = {"float": "fp8", "int": "int8"}.get(scales.kind, scales.kind)
+        raise ValueError(f"scales in {scales.source} were calibrated for {have} but --kv-cache-dtype is "
+                         f"{kv_cache_dtype}; recalibrate with `qkv calibrate --kv-cache-dtype "
+                         f"{'int8' if want == 'int' else 'fp8'}`")
+    _check(scales, specs)
+    return {s.layer_idx: (scales.k[s.layer_idx], scales.v[s.layer_idx]) for s in static}
