@@ -27,21 +27,17 @@ def _prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int]) -> lis
     return out
 
 
-def _qkv_run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-    """Returns (time to the first token of the batch, total time)."""
+def _qkv_run(engine, prompts: list[list[int]], max_tokens: int) -> float:
+    """Seconds until every prompt has ``max_tokens`` tokens."""
     from .sampling import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    first = None
-    left = set(ids)
+    left = {engine.add_request(p, params) for p in prompts}
     while left:
         for out in engine.step():
-            if first is None:
-                first = time.perf_counter() - t0
             if out.finished:
                 left.discard(out.request_id)
-    return first or 0.0, time.perf_counter() - t0
+    return time.perf_counter() - t0
 
 
 def _hf_run(model, prompts: list[list[int]], max_tokens: int) -> float:
@@ -74,15 +70,16 @@ def run_bench(args) -> dict:
         for r in range(args.repeats + 1):  # the first round warms both up and is discarded
             seed += 1
             prompts = _prompts(engine.vocab_size, b, L, seed, engine.eos_token_ids)
-            q_first, _ = _qkv_run(engine, prompts, 1)
+            # TTFT of a batch = time until every prompt has its first token (the whole prefill);
+            # decode rate = tokens after the first over the extra time of an N-token run.
+            q_first = _qkv_run(engine, prompts, 1)
             h_first = _hf_run(hf, prompts, 1)
-            _, q_total = _qkv_run(engine, prompts, N)
+            q_total = _qkv_run(engine, prompts, N)
             h_total = _hf_run(hf, prompts, N)
             if r == 0:
                 continue
             q_ttft.append(q_first)
             h_ttft.append(h_first)
-            # decode rate: tokens after the first, over the time after the prefill
             q_dec.append(b * (N - 1) / max(q_total - q_first, 1e-9))
             h_dec.append(b * (N - 1) / max(h_total - h_first, 1e-9))
         qt, ht = statistics.median(q_ttft) * 1000, statistics.median(h_ttft) * 1000

@@ -8,7 +8,9 @@ Sources, in the order vLLM remaps them:
 * ModelOpt: ``self_attn.k_proj.k_scale`` / ``self_attn.v_proj.v_scale``;
 * legacy: one ``self_attn.kv_scale`` used for both K and V;
 * qkv's own section (``config.json["qkv_kv_cache"]``) for what vLLM cannot read:
-  static INT8 and the qkv extensions, with tensors in ``qkv_kv_scales.safetensors``.
+  static INT8 and the qkv extensions, with tensors in ``qkv_kv_scales.safetensors``;
+* a bare ``.safetensors`` file (``--kv-scales FILE``) whose ``__metadata__`` carries
+  ``type`` (``float``/``int``) and ``strategy``; without it, fp8 is assumed.
 """
 
 from __future__ import annotations
@@ -77,8 +79,11 @@ def read_kv_scales(path: str | Path) -> KVScales | None:
     scheme, section = _scheme(config)
     k: dict[int, torch.Tensor] = {}
     v: dict[int, torch.Tensor] = {}
+    file_meta: dict = {}
     for f in _tensor_files(path, section):
         with safe_open(str(f), framework="pt") as fh:
+            if path.is_file():  # a bare scales file describes itself in its safetensors metadata
+                file_meta = dict(fh.metadata() or {})
             for name in fh.keys():
                 m = _NAME.search(name)
                 if not m:
@@ -91,10 +96,10 @@ def read_kv_scales(path: str | Path) -> KVScales | None:
                     v[layer] = t
     if not k and not v:
         return None
-    src = section or scheme or {}
+    src = section or scheme or file_meta
     kind = src.get("type", "float")
     strategy = {"attn_head": "head"}.get(src.get("strategy", "tensor"), src.get("strategy", "tensor"))
-    meta = dict(section) if section else {}
+    meta = dict(section or file_meta)
     return KVScales(kind, strategy, k, v, str(path), meta)
 
 
