@@ -57,17 +57,23 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, dt
               start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Read positions ``[start, length)`` of one sequence back as ``[L, Hkv, D]`` K and V.
 
-    Only slots below ``length`` are read: a reused block may hold stale bytes that
-    decode to NaN (vLLM issue 47574), and they must never reach the softmax.
+    Only slots in ``[start, length)`` are returned: a reused block may hold stale
+    bytes that decode to NaN (vLLM issue 47574), and they must never reach the
+    softmax, so the block copy is trimmed before anything is dequantized.
     """
     block_size = kv_cache.shape[2]
-    pos = torch.arange(start, length, device=kv_cache.device)
-    blocks = block_table[pos // block_size].long()
-    offsets = pos % block_size
-    k, v = kv_cache[blocks, 0, offsets], kv_cache[blocks, 1, offsets]
+    first, last = start // block_size, (length + block_size - 1) // block_size
+    ids = block_table[first:last].long()
+    # Whole blocks are copied with one index_select, then trimmed to [start, length).
+    lo, hi = start - first * block_size, length - first * block_size
+    blocks = kv_cache.index_select(0, ids)                      # [n, 2, bs, H, D]
+    k = blocks[:, 0].reshape(-1, *kv_cache.shape[3:])[lo:hi]
+    v = blocks[:, 1].reshape(-1, *kv_cache.shape[3:])[lo:hi]
     if dt.dynamic:
         assert scale_cache is not None
-        k_scale, v_scale = scale_cache[blocks, 0, offsets], scale_cache[blocks, 1, offsets]
+        sc = scale_cache.index_select(0, ids)                   # [n, 2, bs, H]
+        k_scale = sc[:, 0].reshape(-1, sc.shape[-1])[lo:hi]
+        v_scale = sc[:, 1].reshape(-1, sc.shape[-1])[lo:hi]
     return dequantize(k, k_scale, dt, out_dtype), dequantize(v, v_scale, dt, out_dtype)
 
 

@@ -88,13 +88,10 @@ def test_smollm2_quantized_modes_against_bf16(smollm2, tmp_path):
     # the quantizer, the kernels or the scales shows up here.
     assert matched == {
         "fp8": [24, 32, 13, 8, 32, 15, 32, 7],
-        "int8": EXPECTED_INT8,
+        "int8": [17, 19, 15, 5, 32, 23, 32, 32],
         "fp8_per_token_head": [24, 6, 32, 8, 32, 23, 32, 7],
         "int8_per_token_head": [26, 16, 32, 20, 32, 23, 32, 6],
     }
-
-
-EXPECTED_INT8 = None  # filled in below after the first measured run
 
 
 def test_capacity_doubles_at_1gib(smollm2):
