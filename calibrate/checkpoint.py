@@ -1,0 +1,192 @@
+"""Conversion: write a calibrated model directory (format described in calibrate/FORMAT.md).
+
+* fp8: a compressed-tensors checkpoint vLLM loads as an fp8-KV model --
+  ``config.json["quantization_config"]`` with ``kv_cache_scheme`` and fp32
+  ``<attn>.k_scale`` / ``<attn>.v_scale`` tensors (``[1]`` per tensor,
+  ``[num_kv_heads]`` per head) in ``kv_cache_scales.safetensors``.
+* int8: vLLM has no static int8 KV cache, so the scales go in qkv's own section
+  ``config.json["qkv_kv_cache"]`` and ``qkv_kv_scales.safetensors``.
+
+The weights are hard-linked (copied across filesystems), copied or symlinked,
+never changed; ``model.safetensors.index.json`` lists them (and the fp8 scales)
+so loaders that follow the index see exactly those tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qkv.scales import QKV_SCALES_FILE, QKV_SECTION
+
+from .report import calibration_record
+from .run import Calibration
+
+__all__ = ["write_checkpoint", "kv_cache_scheme", "quantization_config", "FP8_SCALES_FILE", "INDEX_FILE",
+           "attention_prefixes"]
+
+FP8_SCALES_FILE = "kv_cache_scales.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CALIBRATION_FILE = "calibration.json"
+_SCALE_NAME = re.compile(r"\.(k_scale|v_scale|kv_scale|q_scale|k_zero_point|v_zero_point|q_zero_point)$")
+_ATTN = re.compile(r"^(.*\.layers\.(\d+)\.self_attn)\.k_proj\.weight$")
+_NOT_COPIED = {INDEX_FILE, CALIBRATION_FILE, "recipe.yaml", QKV_SCALES_FILE, FP8_SCALES_FILE, "config.json"}
+
+
+def kv_cache_scheme(strategy: str) -> dict:
+    """compressed-tensors ``QuantizationArgs`` for a static fp8 KV cache, as its serializer writes them."""
+    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+            "strategy": "attn_head" if strategy == "head" else "tensor", "dynamic": False}
+
+
+def quantization_config(strategy: str, existing: dict | None = None) -> dict:
+    """A KV-only compressed-tensors ``QuantizationConfig`` (weights untouched), merged into ``existing``."""
+    qc = {"config_groups": {}, "quant_method": "compressed-tensors", "kv_cache_scheme": None,
+          "format": "dense", "quantization_status": "compressed", "global_compression_ratio": None,
+          "ignore": []}
+    if existing:
+        qc.update(existing)
+    qc["kv_cache_scheme"] = kv_cache_scheme(strategy)
+    return qc
+
+
+def _weight_files(src: Path) -> list[Path]:
+    index = src / INDEX_FILE
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [src / n for n in names]
+    return sorted(p for p in src.glob("*.safetensors") if p.name not in (QKV_SCALES_FILE, FP8_SCALES_FILE))
+
+
+def _place(src: Path, dst: Path, mode: str) -> None:
+    if mode == "symlink":
+        os.symlink(src.resolve(), dst)
+        return
+    if mode == "link":
+        try:
+            os.link(src.resolve(), dst)
+            return
+        except OSError:  # another filesystem, or links not allowed: copy
+            pass
+    shutil.copy2(src, dst)
+
+
+def _write_weights(src: Path, out: Path, mode: str) -> dict[str, str]:
+    """Place every weight file in ``out``; returns the weight map (tensor name -> file).
+
+    A file that already carries KV-scale tensors (an earlier calibration) is
+    rewritten without them, so the new scales are the only ones.
+    """
+    weight_map: dict[str, str] = {}
+    for f in _weight_files(src):
+        with safe_open(str(f), framework="pt") as fh:
+            names = list(fh.keys())
+            stale = [n for n in names if _SCALE_NAME.search(n)]
+            if stale:
+                keep = {n: fh.get_tensor(n) for n in names if n not in stale}
+                save_file(keep, str(out / f.name), metadata=fh.metadata() or {"format": "pt"})
+                names = list(keep)
+        if not stale:
+            _place(f, out / f.name, mode)
+        weight_map.update({n: f.name for n in names})
+    if not weight_map:
+        raise ValueError(f"{src}: no *.safetensors weights to copy")
+    return weight_map
+
+
+def attention_prefixes(weight_names, num_layers: int) -> dict[int, str]:
+    """``{layer: "model.layers.N.self_attn"}`` as named in the checkpoint (multimodal ones nest deeper)."""
+    found = {}
+    for name in weight_names:
+        m = _ATTN.match(name)
+        if m and "vision" not in name:
+            found.setdefault(int(m.group(2)), m.group(1))
+    return {i: found.get(i, f"model.layers.{i}.self_attn") for i in range(num_layers)}
+
+
+def _scale_tensors(cal: Calibration, prefixes: dict[int, str]) -> dict[str, torch.Tensor]:
+    out = {}
+    for r in cal.layers:
+        shape = (r.num_kv_heads,) if cal.strategy == "head" else (1,)
+        out[f"{prefixes[r.layer]}.k_scale"] = r.k_scale.to(torch.float32).reshape(shape).contiguous()
+        out[f"{prefixes[r.layer]}.v_scale"] = r.v_scale.to(torch.float32).reshape(shape).contiguous()
+    return out
+
+
+def _config(src_config: dict, cal: Calibration) -> dict:
+    cfg = dict(src_config)
+    cfg.pop(QKV_SECTION, None)
+    qc = cfg.get("quantization_config")
+    if qc and qc.get("quant_method") != "compressed-tensors":
+        raise ValueError(f"{cal.model}: its weights are quantized with {qc.get('quant_method')!r}; "
+                         f"calibrate the unquantized model")
+    if cal.kind == "float":
+        cfg["quantization_config"] = quantization_config(cal.strategy, qc)
+        return cfg
+    if qc:  # int8: a stale fp8 kv_cache_scheme must not survive
+        qc = dict(qc, kv_cache_scheme=None)
+        if qc.get("config_groups"):
+            cfg["quantization_config"] = qc
+        else:
+            cfg.pop("quantization_config")
+    cfg[QKV_SECTION] = {"type": "int", "num_bits": 8, "strategy": cal.strategy, "symmetric": True,
+                        "dynamic": False, "scales_file": QKV_SCALES_FILE, "scale_dtype": "float32",
+                        "scale_convention": "q = x / scale; scale = amax / 127", "format_version": 1,
+                        "calibration": CALIBRATION_FILE}
+    return cfg
+
+
+def _file_meta(cal: Calibration, config: dict) -> dict[str, str]:
+    """The scales file describes itself, so ``--kv-scales FILE`` works without the directory."""
+    block = config[QKV_SECTION] if cal.kind == "int" else config["quantization_config"]["kv_cache_scheme"]
+    return {"format": "pt", "type": cal.kind, "num_bits": "8", "strategy": block["strategy"],
+            "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"}
+
+
+def write_checkpoint(cal: Calibration, out: str | Path, weights: str = "link", overwrite: bool = False) -> Path:
+    """Write the calibrated model directory ``out`` from ``cal.model_path``; returns ``out``."""
+    if weights not in ("link", "copy", "symlink"):
+        raise ValueError(f"--weights must be link, copy or symlink, got {weights!r}")
+    src, out = Path(cal.model_path).resolve(), Path(out)
+    if out.exists() and out.resolve() == src:
+        raise ValueError(f"-o {out} is the model directory itself; choose a new directory")
+    config = _config(json.loads((src / "config.json").read_text()), cal)  # may refuse: before any write
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"-o {out} exists and is not empty; pass --overwrite or choose a new directory")
+        if not (out / CALIBRATION_FILE).exists():
+            raise ValueError(f"-o {out}: --overwrite only replaces an earlier `qkv calibrate` output "
+                             f"(it has no {CALIBRATION_FILE}); choose a new directory")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED:
+            shutil.copy2(f, out / f.name)
+    weight_map = _write_weights(src, out, weights)
+    num_layers = len(cal.layers)
+    tensors = _scale_tensors(cal, attention_prefixes(weight_map, num_layers))
+    clash = sorted(set(tensors) & set(weight_map))
+    if clash:
+        raise ValueError(f"{src}: already has tensors named {clash[0]}")
+    if cal.kind == "float":
+        save_file(tensors, str(out / FP8_SCALES_FILE), metadata=_file_meta(cal, config))
+        weight_map.update({n: FP8_SCALES_FILE for n in tensors})
+        output = {"format": "compressed-tensors", "scales_file": FP8_SCALES_FILE, "vllm_readable": True}
+    else:
+        save_file(tensors, str(out / QKV_SCALES_FILE), metadata=_file_meta(cal, config))
+        output = {"format": f"qkv ({QKV_SECTION})", "scales_file": QKV_SCALES_FILE, "vllm_readable": False,
+                  "note": "vLLM has no static int8 KV cache; it loads these weights but not the int8 scales"}
+    size = sum((out / n).stat().st_size for n in set(weight_map.values()))
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": size},
+                                              "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    record = calibration_record(cal, dict(output, weights=weights, path=str(out.resolve())))
+    (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return out

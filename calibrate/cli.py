@@ -1,0 +1,113 @@
+"""``qkv calibrate``: observe K/V on calibration data, write a checkpoint that carries the scales.
+
+    qkv calibrate MODEL --dataset D [--dataset-config C] [--split S] [--text-column COL]
+        --num-samples N --seq-len L --kv-cache-dtype fp8|int8 --strategy tensor|head
+        --observer minmax|percentile|mse [--percentile P] [--seed S] -o OUT
+
+Without ``--dataset`` the model calibrates on text it generates itself (data-free).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+__all__ = ["register", "add_calibrate_args", "run_calibrate"]
+
+
+def add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="registry name (e.g. smollm2-135m) or a local Hugging Face directory")
+    p.add_argument("--dataset", default=None,
+                   help="local .txt/.jsonl/.json/.parquet file or folder, or a hub dataset name; "
+                        "omit for data-free calibration on self-generated text")
+    p.add_argument("--dataset-config", default=None, help="hub dataset configuration name")
+    p.add_argument("--split", default=None, help="dataset split (default: train)")
+    p.add_argument("--text-column", default=None,
+                   help="column with the text (default: 'messages' for chat rows, else 'text')")
+    p.add_argument("--num-samples", type=int, default=64, help="number of calibration samples (default 64)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
+    p.add_argument("--packing", choices=["auto", "pack", "truncate"], default="auto",
+                   help="pack documents into seq-len chunks, or one truncated sample per row "
+                        "(auto: truncate for chat rows, pack otherwise)")
+    p.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "fp8_e4m3", "int8"],
+                   help="cache dtype the scales are for (default fp8 = e4m3)")
+    p.add_argument("--strategy", default="tensor", choices=["tensor", "head"],
+                   help="one scale per layer for K and for V, or one per kv head (compressed-tensors attn_head)")
+    p.add_argument("--observer", default="minmax", choices=["minmax", "percentile", "mse"],
+                   help="minmax: absmax over all samples; percentile: clip at --percentile of |x|; "
+                        "mse: clipping ratio with the least quantize-dequantize error")
+    p.add_argument("--percentile", type=float, default=None, help="for --observer percentile (default 99.99)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the sample draw (default 0)")
+    p.add_argument("-o", "--output", required=True, help="output model directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier calibration output in -o")
+    p.add_argument("--weights", choices=["link", "copy", "symlink"], default="link",
+                   help="how weights reach OUT: hard link (copy across filesystems), copy, or symlink")
+    p.add_argument("--dtype", default="auto", help="model dtype while observing (default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; 1 is much faster on a busy machine)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print calibration.json instead of the table")
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from .checkpoint import write_checkpoint
+    from .data import load_rows
+    from .report import summary_table
+    from .run import resolve_target
+
+    t0 = time.perf_counter()
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+        torch.set_num_threads(args.threads)
+    resolve_target(args.kv_cache_dtype, args.strategy)  # fail on bad flags before loading anything
+    if args.percentile is not None and args.observer != "percentile":
+        raise ValueError("--percentile only applies to --observer percentile")
+    if args.dataset is None and any(v is not None for v in (args.dataset_config, args.split, args.text_column)):
+        raise ValueError("--dataset-config/--split/--text-column need --dataset")
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"-o {out} exists and is not empty; pass --overwrite or choose a new directory")
+    raw = None
+    if args.dataset is not None:
+        raw = load_rows(args.dataset, args.dataset_config, args.split, args.text_column)
+    else:
+        print("no --dataset: data-free calibration on text the model generates itself")
+    from .run import calibrate
+
+    cal = calibrate(args.model, raw=raw, kv_cache_dtype=args.kv_cache_dtype, strategy=args.strategy,
+                    observer=args.observer, percentile=args.percentile, num_samples=args.num_samples,
+                    seq_len=args.seq_len, seed=args.seed, packing=args.packing, dtype=args.dtype,
+                    device=args.device, progress=args.progress)
+    cal.wall_time_s = time.perf_counter() - t0  # dataset loading included
+    write_checkpoint(cal, out, weights=args.weights, overwrite=args.overwrite)
+    if args.json:
+        print((out / "calibration.json").read_text())
+    else:
+        print(summary_table(cal))
+        where = "compressed-tensors kv_cache_scheme (vLLM reads it)" if cal.kind == "float" else \
+            "qkv_kv_cache section (qkv only: vLLM has no static int8 KV cache)"
+        print(f"wrote {out} with {where}; load it with "
+              f"`qkv generate {out} --kv-cache-dtype {cal.kv_dtype.name}` or pass --kv-scales {out}")
+    return 0
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``calibrate`` to ``qkv``'s subcommands (called by qkv.cli)."""
+    p = subparsers.add_parser("calibrate", help="calibrate static FP8/INT8 KV-cache scales offline",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_calibrate_args(p)
+    p.set_defaults(func=run_calibrate)
+    return p
+
+
+def _main(argv=None) -> int:  # python -m qkv.calibrate.cli
+    from qkv.cli import main
+    return main(["calibrate", *(argv if argv is not None else __import__("sys").argv[1:])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

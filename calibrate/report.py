@@ -1,0 +1,87 @@
+"""What a calibration run records: ``calibration.json`` and the summary table printed at the end."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import platform
+
+from .run import Calibration
+
+__all__ = ["calibration_record", "summary_table", "versions"]
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("qkv", "torch", "transformers", "datasets", "safetensors"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _list(t) -> list[float]:
+    return [float(x) for x in t.reshape(-1).tolist()]
+
+
+def calibration_record(cal: Calibration, output: dict | None = None) -> dict:
+    """The calibration.json document: what was run, and a per-layer table of amax, scale and clip rate."""
+    dt = cal.kv_dtype
+    info = dict(cal.samples_info)
+    return {
+        "qkv_calibration_version": 1,
+        "model": cal.model,
+        "model_path": str(cal.model_path),
+        "model_dtype": cal.model_dtype,
+        "data_free": info.get("source") == "self-generated",
+        "dataset": info,
+        "num_samples": cal.num_samples,
+        "seq_len": info.get("seq_len"),
+        "tokens": cal.num_tokens,
+        "seed": cal.seed,
+        "observer": cal.observer.get("observer"),
+        "percentile": cal.observer.get("percentile"),
+        "observer_params": cal.observer,
+        "kv_cache_dtype": dt.name,
+        "qmax": dt.qmax,
+        "strategy": cal.strategy,
+        "scale_convention": f"q = x / scale; scale = amax / {dt.qmax:g}",
+        "observed": "K after RoPE (and k_norm), V as projected: the tensors the paged cache stores",
+        "versions": versions(),
+        "wall_time_s": round(cal.wall_time_s, 3),
+        "observe_time_s": round(cal.observe_time_s, 3),
+        "date": cal.date,
+        "output": output or {},
+        "layers": [{
+            "layer": r.layer,
+            "num_kv_heads": r.num_kv_heads,
+            "k": {"amax": _list(r.k_amax), "observed_amax": _list(r.k_observed_amax),
+                  "scale": _list(r.k_scale), "clip_rate": r.k_clip_rate},
+            "v": {"amax": _list(r.v_amax), "observed_amax": _list(r.v_observed_amax),
+                  "scale": _list(r.v_scale), "clip_rate": r.v_clip_rate},
+        } for r in cal.layers],
+    }
+
+
+def _fmt(t) -> str:
+    vals = t.reshape(-1).tolist()
+    if len(vals) == 1:
+        return f"{vals[0]:.4g}"
+    return f"{min(vals):.3g}..{max(vals):.3g}"
+
+
+def summary_table(cal: Calibration) -> str:
+    """Plain-text table, one row per layer (per-head values shown as min..max)."""
+    head = (f"{'layer':>5}  {'K amax':>15} {'K scale':>17} {'K clip':>8}  "
+            f"{'V amax':>15} {'V scale':>17} {'V clip':>8}")
+    lines = [head, "-" * len(head)]
+    for r in cal.layers:
+        lines.append(f"{r.layer:>5}  {_fmt(r.k_amax):>15} {_fmt(r.k_scale):>17} {100 * r.k_clip_rate:>7.3f}%  "
+                     f"{_fmt(r.v_amax):>15} {_fmt(r.v_scale):>17} {100 * r.v_clip_rate:>7.3f}%")
+    obs = cal.observer.get("observer")
+    if cal.observer.get("percentile") is not None:
+        obs += f" (P{cal.observer['percentile']:g})"
+    src = cal.samples_info.get("source", "?")
+    lines.append(f"{cal.model}: {cal.kv_dtype.name} / {cal.strategy} / {obs}; {cal.num_samples} samples, "
+                 f"{cal.num_tokens:,} tokens ({src}); {cal.wall_time_s:.1f} s")
+    return "\n".join(lines)

@@ -1,0 +1,198 @@
+"""Calibration proper: run samples through the engine, observe the K/V the cache would store, pick scales.
+
+This module only observes and computes; :mod:`qkv.calibrate.checkpoint` writes
+the result (gpt-fast's split between calibrating and converting).
+
+Observation goes through :func:`qkv.scoring.prefill_logits` on an engine with an
+unquantized cache (the model's dtype), so the statistics are of exactly the
+tensors the cache stores: K after RoPE (and k_norm), V as projected.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qkv.kernels.quant import CacheDtype, resolve_cache_dtype
+
+from .data import Samples
+from .observers import Observer, make_observer, scales_from_amax
+from .stats import TensorStats, single_thread
+
+__all__ = ["Calibration", "LayerResult", "calibrate", "observe", "load_engine", "resolve_target"]
+
+logger = logging.getLogger("qkv")
+
+STRATEGIES = ("tensor", "head")
+
+
+@dataclass
+class LayerResult:
+    layer: int
+    num_kv_heads: int
+    k_amax: torch.Tensor          # clipping threshold actually used, [1] or [H]
+    v_amax: torch.Tensor
+    k_scale: torch.Tensor         # fp32 amax / qmax
+    v_scale: torch.Tensor
+    k_observed_amax: torch.Tensor  # the true absmax, [1] or [H]
+    v_observed_amax: torch.Tensor
+    k_clip_rate: float
+    v_clip_rate: float
+
+
+@dataclass
+class Calibration:
+    """Everything a writer needs: scales per layer and the record of how they were obtained."""
+
+    model: str
+    model_path: Path
+    kv_dtype: CacheDtype
+    strategy: str
+    observer: dict
+    layers: list[LayerResult]
+    samples_info: dict
+    num_samples: int
+    num_tokens: int
+    model_dtype: str
+    seed: int
+    wall_time_s: float = 0.0
+    observe_time_s: float = 0.0
+    date: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"))
+
+    @property
+    def kind(self) -> str:
+        return self.kv_dtype.kind  # "float" (fp8) or "int" (int8)
+
+
+def resolve_target(kv_cache_dtype: str, strategy: str) -> CacheDtype:
+    """The cache dtype scales are calibrated for: static fp8 (e4m3) or int8."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    dt = resolve_cache_dtype(kv_cache_dtype)
+    if dt.name not in ("fp8_e4m3", "int8"):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: calibration makes static scales for fp8 "
+                         f"(e4m3) or int8; {dt.name} needs none")
+    return dt
+
+
+def load_engine(model: str, dtype: str = "auto", num_blocks: int = 64, device: str | None = None,
+                max_num_batched_tokens: int = 2048):
+    """An engine with an unquantized cache (the model's dtype); load failures become one-line ValueErrors."""
+    from qkv import LLM
+
+    try:
+        return LLM(model, dtype=dtype, kv_cache_dtype="auto", num_blocks=num_blocks, device=device,
+                   max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+    except Exception as e:  # UnknownModelError, CheckpointError, OSError, transformers' errors, ...
+        raise ValueError(f"cannot load model {model!r}: {e}") from None
+
+
+def observe(engine, chunks: list[list[int]], reservoir: int = 0, seed: int = 0,
+            progress: bool = True) -> dict[tuple[int, str], TensorStats]:
+    """Statistics of every layer's K and V over ``chunks``, keyed ``(layer, "k" | "v")``."""
+    from qkv.scoring import prefill_logits
+
+    stats: dict[tuple[int, str], TensorStats] = {}
+    for spec in engine.layer_specs:
+        for j, kind in enumerate("kv"):
+            stats[spec.layer_idx, kind] = TensorStats(spec.num_kv_heads, reservoir,
+                                                      seed=seed * 100003 + 2 * spec.layer_idx + j)
+
+    def observer(layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        with single_thread():
+            stats[layer_idx, "k"].update(key)
+            stats[layer_idx, "v"].update(value)
+
+    bar = _progress(len(chunks), progress)
+    for chunk in chunks:
+        if len(chunk) > engine.max_model_len:
+            raise ValueError(f"a sample has {len(chunk)} tokens, more than the model's "
+                             f"max_model_len={engine.max_model_len}; lower --seq-len")
+        prefill_logits(engine, chunk, observer=observer, keep_logits=False)
+        bar.update(1)
+    bar.close()
+    return stats
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm comes with transformers' hub client
+        tqdm = None
+    if tqdm is None or not enabled:
+        class _Null:
+            def update(self, n):
+                pass
+
+            def close(self):
+                pass
+        return _Null()
+    return tqdm(total=total, desc="calibrating", unit="sample")
+
+
+def choose_scales(stats: dict[tuple[int, str], TensorStats], observer: Observer, dt: CacheDtype,
+                  strategy: str) -> list[LayerResult]:
+    per_head = strategy == "head"
+    out = []
+    for layer in sorted({i for i, _ in stats}):
+        res = {}
+        for kind in "kv":
+            s = stats[layer, kind]
+            with single_thread():
+                amax = observer.amax(s, per_head, dt).to(torch.float32)
+            scale = scales_from_amax(amax, dt)
+            res[kind] = (amax, scale, s.absmax(per_head), s.clip_rate(scale * dt.qmax))
+        out.append(LayerResult(layer, stats[layer, "k"].num_heads,
+                               res["k"][0], res["v"][0], res["k"][1], res["v"][1],
+                               res["k"][2], res["v"][2], res["k"][3], res["v"][3]))
+    return out
+
+
+def calibrate(model: str, samples: Samples | None = None, raw=None, *, kv_cache_dtype: str = "fp8",
+              strategy: str = "tensor", observer: str = "minmax", percentile: float | None = None,
+              num_samples: int = 64, seq_len: int = 512, seed: int = 0, packing: str = "auto",
+              dtype: str = "auto", device: str | None = None, progress: bool = True) -> Calibration:
+    """Calibrate ``model``'s KV scales.
+
+    Give either ready ``samples`` (token chunks), or ``raw`` rows from
+    :func:`qkv.calibrate.data.load_rows` to be tokenized here, or neither for
+    data-free calibration on text the model generates itself.
+    """
+    t0 = time.perf_counter()
+    dt = resolve_target(kv_cache_dtype, strategy)
+    obs = make_observer(observer, percentile)
+    from .data import build_samples
+    from .selfgen import GEN_BATCH, generate_samples
+
+    if samples is not None:  # ready chunks: size the engine for the longest
+        if not samples.chunks:
+            raise ValueError("no samples to calibrate on")
+        seq_len = max(len(c) for c in samples.chunks)
+    blocks_per_seq = -(-seq_len // 16) + 1
+    batch = GEN_BATCH if samples is None and raw is None else 1
+    llm = load_engine(model, dtype, num_blocks=batch * blocks_per_seq + 2, device=device,
+                      max_num_batched_tokens=max(2048, seq_len))
+    engine = llm.llm_engine
+    max_pos = getattr(engine.hf_config, "max_position_embeddings", None)
+    if max_pos and seq_len > max_pos:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
+    if samples is None:
+        if raw is not None:
+            samples = build_samples(raw, engine.tokenizer, num_samples, seq_len, seed, packing)
+        else:
+            samples = generate_samples(llm, num_samples, seq_len, seed, progress)
+    t1 = time.perf_counter()
+    stats = observe(engine, samples.chunks, reservoir=obs.reservoir, seed=seed, progress=progress)
+    layers = choose_scales(stats, obs, dt, strategy)
+    t2 = time.perf_counter()
+    return Calibration(model=model, model_path=engine.model_path, kv_dtype=dt, strategy=strategy,
+                       observer=obs.describe(), layers=layers, samples_info=samples.info,
+                       num_samples=len(samples.chunks), num_tokens=samples.num_tokens,
+                       model_dtype=str(engine.dtype).replace("torch.", ""), seed=seed,
+                       wall_time_s=t2 - t0, observe_time_s=t2 - t1)
