@@ -1,0 +1,149 @@
+"""The FastAPI app: routes, API-key check, body-size limit and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from .async_engine import AsyncEngine
+from .metrics import ServerMetrics
+from .protocol import APIError, error_body
+from .serving import OpenAIServing
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "kv_report"]
+
+logger = logging.getLogger("qkv.server")
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+OPEN_PATHS = ("/health", "/version", "/metrics")  # reachable without the API key, as in vLLM
+
+
+async def read_json(request: Request, limit: int) -> object:
+    """The body as JSON, or an :class:`APIError`: 413 past ``limit`` bytes, 400 if it is not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (no response buffering, so streaming and disconnects pass through untouched)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
+                resp = _error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
+
+
+def build_app(engine: AsyncEngine, model_names: list[str], metrics: ServerMetrics, *,
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              max_model_len: int | None = None, model_root: str | None = None) -> FastAPI:
+    serving = OpenAIServing(engine, model_names)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="qkv", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind,
+                      code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code=500)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return _error(503, "the engine is not running", "service_unavailable", code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "qkv", "root": model_root or name,
+             "parent": None, "max_model_len": max_model_len} for name in model_names]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serving.completions(request, await read_json(request, max_body_bytes))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serving.chat(request, await read_json(request, max_body_bytes))
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/debug/kv")
+    async def debug_kv():
+        """Block accounting of the paged cache, read on the engine thread between steps."""
+        return await engine.call(kv_report)
+
+    return app
+
+
+def kv_report(engine) -> dict:
+    pool = engine.pool
+    referenced = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)  # block 0 is the null block
+    return {
+        "num_blocks": pool.num_blocks,
+        "num_usable_blocks": pool.num_usable_blocks,
+        "num_free_blocks": pool.num_free_blocks,
+        "num_cached_blocks": len(pool.cached),
+        "num_referenced_blocks": referenced,
+        "num_running": len(engine.scheduler.running),
+        "num_waiting": len(engine.scheduler.waiting),
+        "num_unfinished_requests": len(engine.requests),
+    }
