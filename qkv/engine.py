@@ -130,6 +130,7 @@ class LLMEngine:
             return False
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
         seq.metrics.finished_time = time.monotonic()
+        self._update_gauges()
         return True
 
     def has_unfinished_requests(self) -> bool:
