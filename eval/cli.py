@@ -1,0 +1,134 @@
+"""``qkv eval`` and ``qkv lm-eval`` subcommands (``qkv/cli.py`` calls :func:`register`)."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+__all__ = ["register", "main_eval", "main_lm_eval"]
+
+
+def _ints(text: str) -> list[int]:
+    if text.strip().lower() in ("", "none", "0"):
+        return []
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="registry name (smollm2-135m, gemma3-270m) or a local Hugging Face directory")
+    p.add_argument("--configs", default="bf16,fp8",
+                   help="comma-separated DTYPE[:SCALES_DIR][+skip=LAYERS]; LAYERS: sliding_window and/or "
+                        "indices separated by '/' or ';'. The first configuration is the baseline "
+                        "(default: bf16,fp8)")
+    p.add_argument("--dataset", default="wikitext",
+                   help="wikitext (WikiText-2 raw test; the local shared copy when present, else the hub) "
+                        "or a .txt/.raw/.jsonl file")
+    p.add_argument("--num-windows", type=int, default=16)
+    p.add_argument("--window", type=int, default=1024, help="tokens per window (BOS included when the tokenizer adds one)")
+    p.add_argument("--ttft-lengths", type=_ints, default=[512, 2048],
+                   help="prompt lengths for TTFT, comma-separated; 'none' skips latency")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every latency measurement")
+    p.add_argument("--decode-batches", type=_ints, default=[1, 16])
+    p.add_argument("--decode-prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--kv-budget", default="1GiB", help="KV budget for the max-concurrency figure (e.g. 1GiB)")
+    p.add_argument("--memory-len", type=int, default=2048, help="sequence length for the max-concurrency figure")
+    p.add_argument("--report", required=True, help="directory for report.json, report.md and report.html")
+    p.add_argument("--max-ppl-delta", default=None, help="gate: fail when a ppl delta exceeds this (e.g. 1.0%%)")
+    p.add_argument("--max-kl", default=None, help="gate: fail when a mean per-token KL exceeds this")
+    p.add_argument("--compare", default=None, help="an earlier report.json (same model and report version)")
+    p.add_argument("--gate-latency", action="store_true", help="latency regressions in --compare fail too")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype for every configuration")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache of each engine")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk for scoring (default: engine's)")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+
+
+def _command(args: argparse.Namespace, kwargs: dict) -> str:
+    """The command line that reproduces this run (options that differ from the defaults)."""
+    p = argparse.ArgumentParser()
+    add_eval_args(p)
+    defaults = vars(p.parse_args([args.model, "--report", args.report]))
+    parts = ["qkv", "eval", args.model]
+    for k, v in kwargs.items():
+        if k in ("model", "command", "report") or v == defaults.get(k):
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            parts.append(flag)
+        elif isinstance(v, list):
+            parts += [flag, ",".join(map(str, v)) or "none"]
+        else:
+            parts += [flag, str(v)]
+    return shlex.join(parts + ["--report", args.report])
+
+
+def main_eval(args: argparse.Namespace) -> int:
+    from .run import EvalArgs, run_eval
+    fields = EvalArgs.__dataclass_fields__
+    kwargs = {k: v for k, v in vars(args).items() if k in fields and k != "command"}
+    kwargs["command"] = _command(args, kwargs)
+    r, code = run_eval(EvalArgs(**kwargs))
+    from .report import verdict_lines
+    print("\n".join(verdict_lines(r)))
+    if r.get("compare"):
+        for f in r["compare"]["flags"]:
+            print(f"  worse: {f['config']} {f['metric']} ({f['kind']}): {f['old']:.5g} -> {f['new']:.5g}, "
+                  f"old interval [{f['old_interval'][0]:.5g}, {f['old_interval'][1]:.5g}]")
+    print(f"report: {args.report}/report.html, report.md, report.json")
+    return code
+
+
+def main_lm_eval(args: argparse.Namespace) -> int:
+    """Register the ``qkv`` model with lm-eval, add qkv's local tasks, and hand over to lm-eval's CLI."""
+    from . import lm_eval_model
+    lm_eval_model.register()
+    rest = list(args.lm_eval_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not any(a == "--model" or a.startswith("--model=") for a in rest):
+        rest = ["--model", "qkv"] + rest
+    if not any(a == "--include_path" or a.startswith("--include_path=") for a in rest):
+        rest += ["--include_path", str(lm_eval_model.TASKS_DIR)]
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+    setup_logging()
+    old_argv = sys.argv
+    sys.argv = ["lm-eval", "run"] + rest
+    try:
+        cli = HarnessCLI()
+        cli.execute(cli.parse_args())
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    finally:
+        sys.argv = old_argv
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="accuracy (ppl, KL, top-1), latency and memory of KV-cache configurations",
+                       description="Evaluate KV-cache configurations against a baseline through the paged "
+                                   "engine and write report.{json,md,html}. Exit 1 when a threshold or "
+                                   "--compare gate fails, 2 on bad input.")
+    add_eval_args(p)
+    p.set_defaults(func=main_eval)
+    p = sub.add_parser("lm-eval", help="lm-evaluation-harness with the qkv engine as the model",
+                       description="Everything after 'lm-eval' goes to lm-eval's 'run' command; --model "
+                                   "defaults to qkv and qkv's local tasks (qkv_wikitext, qkv_mc) are included. "
+                                   "Example: qkv lm-eval --model_args pretrained=smollm2-135m,kv_cache_dtype=fp8 "
+                                   "--tasks qkv_wikitext,qkv_mc",
+                       prefix_chars="+", add_help=False)  # every '-' argument, -h included, is lm-eval's
+    p.add_argument("lm_eval_args", nargs="*")
+    p.set_defaults(func=main_lm_eval)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from qkv.cli import main
+    sys.exit(main(["eval"] + sys.argv[1:]))

@@ -1,0 +1,138 @@
+"""Evaluation configurations: the ``--configs`` grammar and what each one hands the engine.
+
+Grammar of one configuration (configurations are separated by commas)::
+
+    DTYPE[:SCALES_DIR][+skip=LAYERS]
+
+* ``DTYPE`` is any ``--kv-cache-dtype`` of the engine: ``bf16``/``bfloat16``/``auto``,
+  ``fp8`` (= ``fp8_e4m3``), ``fp8_e5m2``, ``int8`` (needs scales),
+  ``fp8_per_token_head``, ``int8_per_token_head``.
+* ``SCALES_DIR`` is a calibrated checkpoint directory or scales file
+  (``qkv calibrate -o``), passed to the engine as ``kv_scales``.
+* ``LAYERS`` are ``sliding_window`` and/or layer indices separated by ``/`` or
+  ``;`` (a comma would end the configuration), e.g. ``+skip=sliding_window/0/17``.
+
+The first configuration is the baseline. Labels are the configuration strings
+with the scales directory shortened to its last path component, so they stay
+readable in tables and figures while ``spec`` keeps the full string.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qkv.kernels.quant import CACHE_DTYPE_NAMES, resolve_cache_dtype
+
+__all__ = ["EvalConfig", "parse_config", "parse_configs", "ConfigError"]
+
+_SKIP = re.compile(r"^(?P<head>.*?)\+skip=(?P<layers>[^+]*)$")
+
+
+def _cd(name: str):
+    return resolve_cache_dtype("bfloat16" if name == "auto" else name)
+
+
+class ConfigError(ValueError):
+    """A configuration string that cannot be parsed or used."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    spec: str                      # the string as given
+    kv_cache_dtype: str            # canonical engine name (fp8 -> fp8_e4m3, bf16 -> bfloat16)
+    scales: str | None = None      # kv_scales for the engine
+    skip_layers: tuple = field(default_factory=tuple)  # ("sliding_window", 3, ...)
+
+    @property
+    def label(self) -> str:
+        out = {"bfloat16": "bf16", "fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.scales:
+            out += ":" + Path(self.scales).name
+        if self.skip_layers:
+            out += "+skip=" + "/".join(str(s) for s in self.skip_layers)
+        return out
+
+    @property
+    def quantized(self) -> bool:
+        return _cd(self.kv_cache_dtype).quantized
+
+    @property
+    def dynamic(self) -> bool:
+        return _cd(self.kv_cache_dtype).dynamic
+
+    def engine_kwargs(self) -> dict:
+        return {"kv_cache_dtype": self.kv_cache_dtype, "kv_scales": self.scales,
+                "kv_cache_dtype_skip_layers": list(self.skip_layers) or None}
+
+    def to_json(self) -> dict:
+        return {"spec": self.spec, "label": self.label, "kv_cache_dtype": self.kv_cache_dtype,
+                "scales": self.scales, "skip_layers": list(self.skip_layers)}
+
+
+def _dtype(name: str, spec: str) -> str:
+    if name == "auto":
+        return "auto"  # the model dtype
+    try:
+        return resolve_cache_dtype(name).name
+    except ValueError:
+        raise ConfigError(f"unknown configuration {spec!r}: {name!r} is not a kv-cache dtype; "
+                          f"use DTYPE[:SCALES_DIR][+skip=LAYERS] with DTYPE one of "
+                          f"bf16, {', '.join(n for n in CACHE_DTYPE_NAMES if n != 'auto')}") from None
+
+
+def _layers(text: str, spec: str) -> tuple:
+    parts = [p.strip() for p in re.split(r"[/;]", text) if p.strip()]
+    if not parts:
+        raise ConfigError(f"configuration {spec!r}: '+skip=' needs layers (sliding_window and/or indices "
+                          f"separated by '/' or ';')")
+    out: list = []
+    for p in parts:
+        if p == "sliding_window":
+            out.append(p)
+        elif re.fullmatch(r"\d+", p):
+            out.append(int(p))
+        else:
+            raise ConfigError(f"configuration {spec!r}: skip layer {p!r} is neither 'sliding_window' "
+                              f"nor a layer index")
+    return tuple(dict.fromkeys(out))
+
+
+def parse_config(spec: str) -> EvalConfig:
+    """``"fp8:/tmp/qkv-calib/fp8-head+skip=sliding_window"`` -> :class:`EvalConfig`."""
+    text = spec.strip()
+    if not text:
+        raise ConfigError("empty configuration in --configs")
+    skip: tuple = ()
+    m = _SKIP.match(text)
+    if m:
+        text, skip = m.group("head"), _layers(m.group("layers"), spec)
+    elif "+" in text:
+        raise ConfigError(f"unknown configuration {spec!r}: the only modifier is '+skip=LAYERS'")
+    name, _, scales = text.partition(":")
+    dtype = _dtype(name.strip().lower(), spec)
+    scales = scales.strip() or None
+    if scales is not None:
+        if not _cd(dtype).quantized or _cd(dtype).dynamic:
+            raise ConfigError(f"configuration {spec!r}: {dtype} takes no static scales")
+        if not Path(scales).exists():
+            raise ConfigError(f"configuration {spec!r}: scales {scales} do not exist")
+    if skip and not _cd(dtype).quantized:
+        raise ConfigError(f"configuration {spec!r}: skipping layers only makes sense for a quantized cache")
+    return EvalConfig(spec.strip(), dtype, scales, skip)
+
+
+def parse_configs(text: str | list[str]) -> list[EvalConfig]:
+    """Comma-separated configurations; the first is the baseline. Labels must be unique."""
+    specs = text.split(",") if isinstance(text, str) else list(text)
+    configs = [parse_config(s) for s in specs]
+    if not configs:
+        raise ConfigError("--configs is empty")
+    seen: dict[str, str] = {}
+    for c in configs:
+        if c.label in seen:
+            raise ConfigError(f"configurations {seen[c.label]!r} and {c.spec!r} have the same label "
+                              f"{c.label!r}; give the scales directories different names")
+        seen[c.label] = c.spec
+    return configs

@@ -1,0 +1,112 @@
+"""Evaluation text and the token windows cut from it.
+
+``--dataset wikitext`` (the default) is WikiText-2 raw, test split. The shared
+copy (``../shared/data/wikitext-2/wiki.test.raw`` beside the repository, or
+``$QKV_WIKITEXT_DIR``) is byte-for-byte the hub's split, so it is used when
+present; otherwise the hub dataset ``wikitext``/``wikitext-2-raw-v1`` is loaded.
+Either way the text goes through ``datasets`` and CRLF is normalised to LF.
+Any other ``--dataset`` is a local ``.txt``/``.raw`` file or a ``.jsonl`` file
+with a ``text`` (or ``page``) field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["EvalText", "load_text", "make_windows", "wikitext_test_file", "DataError"]
+
+REPO = Path(__file__).resolve().parent.parent
+WIKITEXT_NAMES = ("wikitext", "wikitext2", "wikitext-2", "wikitext-2-raw-v1")
+
+
+class DataError(ValueError):
+    """The dataset is missing or too small for the requested windows."""
+
+
+@dataclass
+class EvalText:
+    name: str
+    source: str          # file path or hub id
+    text: str
+    sha256: str          # of the normalised text (what is tokenized)
+    file_sha256: str | None = None
+
+
+def wikitext_test_file() -> Path | None:
+    """The shared WikiText-2 raw test file, or ``None`` when this checkout has no shared data."""
+    cands = []
+    if os.environ.get("QKV_WIKITEXT_DIR"):
+        cands.append(Path(os.environ["QKV_WIKITEXT_DIR"]) / "wiki.test.raw")
+    cands += [REPO.parent / "shared" / "data" / "wikitext-2" / "wiki.test.raw",
+              Path.cwd().parent / "shared" / "data" / "wikitext-2" / "wiki.test.raw"]
+    return next((p for p in cands if p.is_file()), None)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _load_file(path: Path) -> str:
+    import datasets
+    datasets.disable_progress_bars()
+    if path.suffix in (".jsonl", ".json"):
+        ds = datasets.load_dataset("json", data_files=str(path), split="train")
+        field = "text" if "text" in ds.column_names else "page" if "page" in ds.column_names else None
+        if field is None:
+            raise DataError(f"{path}: a JSON-lines dataset needs a 'text' or 'page' field, "
+                            f"found {ds.column_names}")
+        return "\n\n".join(ds[field])
+    ds = datasets.load_dataset("text", data_files=str(path), split="train", keep_linebreaks=True)
+    return "".join(ds["text"])
+
+
+def load_text(dataset: str = "wikitext") -> EvalText:
+    if dataset.lower() in WIKITEXT_NAMES:
+        path = wikitext_test_file()
+        if path is not None:
+            text = _load_file(path).replace("\r\n", "\n")
+            return EvalText("wikitext-2-raw-v1/test", str(path), text, _sha(text.encode()),
+                            _sha(path.read_bytes()))
+        try:
+            import datasets
+            ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
+        except Exception as e:  # noqa: BLE001 - no hub, no local copy: say both
+            raise DataError("WikiText-2 is not available: no local copy at ../shared/data/wikitext-2/"
+                            f"wiki.test.raw (or $QKV_WIKITEXT_DIR) and the hub failed: {e}") from None
+        text = "".join(ds["text"]).replace("\r\n", "\n")
+        return EvalText("wikitext-2-raw-v1/test", "hub:wikitext/wikitext-2-raw-v1", text, _sha(text.encode()))
+    path = Path(dataset)
+    if not path.is_file():
+        raise DataError(f"--dataset {dataset}: not a known dataset name ({', '.join(WIKITEXT_NAMES)}) "
+                        f"and no such file")
+    text = _load_file(path).replace("\r\n", "\n")
+    return EvalText(path.name, str(path), text, _sha(text.encode()), _sha(path.read_bytes()))
+
+
+def adds_bos(tokenizer) -> bool:
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos is not None and bool(ids) and ids[0] == bos
+
+
+def make_windows(tokenizer, text: str, num_windows: int, window: int) -> list[list[int]]:
+    """``num_windows`` windows of ``window`` tokens, evenly spread over the text.
+
+    A window is the tokenizer's BOS (when it adds one, as Gemma's does) followed
+    by ``window - 1`` text tokens, or ``window`` text tokens otherwise; every
+    next-token prediction inside the window is scored. Windows never overlap.
+    """
+    if num_windows < 1 or window < 2:
+        raise DataError(f"need at least 1 window of at least 2 tokens, got {num_windows} x {window}")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
+    span = window - len(bos)
+    if len(ids) < num_windows * span:
+        raise DataError(f"the dataset has {len(ids):,} tokens, fewer than the {num_windows} x {span:,} = "
+                        f"{num_windows * span:,} that {num_windows} windows of {window} tokens need; "
+                        f"lower --num-windows or --window")
+    stride = len(ids) // num_windows
+    return [bos + ids[i * stride:i * stride + span] for i in range(num_windows)]

@@ -1,0 +1,204 @@
+"""``qkv eval``: every configuration through the same paged engine, then the report and the gate.
+
+Order of work: parse and check everything that can be checked without a
+forward pass (configurations, thresholds, the ``--compare`` file, the dataset's
+token count, TTFT lengths and window against ``max_model_len``), then accuracy,
+then latency, then the report. Any error before the report is written leaves no
+new report behind; if the report directory already holds an older report, an
+``EVAL_FAILED.txt`` beside it says that the latest run failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import accuracy, data, gate, latency, report, scales_table
+from .configs import EvalConfig, parse_configs
+
+__all__ = ["EvalArgs", "run_eval", "model_identity", "environment"]
+
+logger = logging.getLogger("qkv.eval")
+FAILED_MARKER = "EVAL_FAILED.txt"
+
+
+@dataclass
+class EvalArgs:
+    model: str
+    configs: str | list[str] = "bf16,fp8"
+    dataset: str = "wikitext"
+    num_windows: int = 16
+    window: int = 1024
+    ttft_lengths: list[int] = field(default_factory=lambda: [512, 2048])
+    repeats: int = 3
+    decode_batches: list[int] = field(default_factory=lambda: [1, 16])
+    decode_prompt_len: int = 128
+    decode_tokens: int = 16
+    kv_budget: str = "1GiB"
+    memory_len: int = 2048
+    report: str = "eval_report"
+    max_ppl_delta: str | float | None = None
+    max_kl: str | float | None = None
+    compare: str | None = None
+    gate_latency: bool = False
+    dtype: str = "bfloat16"
+    kv_cache_memory: str = "512MiB"
+    max_model_len: int | None = None
+    chunk_size: int | None = None
+    bootstrap: int = 2000
+    seed: int = 0
+    device: str | None = None
+    command: str | None = None
+
+
+def model_identity(name: str, path: Path) -> dict:
+    """Name, path and a fingerprint: sha256 over config.json and the weight files."""
+    h = hashlib.sha256()
+    for f in [path / "config.json"] + sorted(path.glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+    return {"name": name, "path": str(path), "fingerprint": h.hexdigest()}
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def environment(seed: int) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    env = {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu or "none"}
+    for pkg in ("qkv", "torch", "transformers", "numpy", "datasets", "matplotlib", "lm_eval", "triton"):
+        env[pkg] = _version(pkg)
+    env["seed"] = seed
+    return env
+
+
+def _check_lengths(engines: dict, args: EvalArgs) -> None:
+    mml = min(e.max_model_len for e in engines.values())
+    too_long = [L for L in args.ttft_lengths if L > mml]
+    if too_long:
+        raise ValueError(f"--ttft-lengths {too_long[0]} is longer than max_model_len={mml}; "
+                         f"use shorter prompts or raise --max-model-len/--kv-cache-memory")
+    if args.window > mml:
+        raise ValueError(f"--window {args.window} is longer than max_model_len={mml}")
+    if args.decode_prompt_len + args.decode_tokens > mml:
+        raise ValueError(f"decode prompts of {args.decode_prompt_len}+{args.decode_tokens} tokens exceed "
+                         f"max_model_len={mml}")
+
+
+def _build_engines(configs: list[EvalConfig], args: EvalArgs) -> dict:
+    from qkv.llm import LLM
+    engines = {}
+    for c in configs:
+        logger.info("loading %s", c.label)
+        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=args.max_model_len, device=args.device, seed=args.seed, **c.engine_kwargs())
+        engines[c.label] = llm.llm_engine
+    return engines
+
+
+def _validate(args: EvalArgs) -> None:
+    for name in ("num_windows", "window", "repeats", "decode_prompt_len", "decode_tokens", "memory_len",
+                 "bootstrap"):
+        if getattr(args, name) < (0 if name == "repeats" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if any(L < 1 for L in args.ttft_lengths) or any(b < 1 for b in args.decode_batches):
+        raise ValueError("--ttft-lengths and --decode-batches take positive integers")
+
+
+def run_eval(args: EvalArgs) -> tuple[dict, int]:
+    """Run everything; return (report dict, exit code: 0 pass, 1 gate or compare failed)."""
+    out_dir = Path(args.report)
+    try:
+        result = _run(args)
+    except BaseException as e:
+        if (out_dir / "report.json").exists():
+            (out_dir / FAILED_MARKER).write_text(
+                f"The latest qkv eval into this directory failed ({time.strftime('%Y-%m-%d %H:%M:%S')}):\n"
+                f"{type(e).__name__}: {e}\nThe report files here are from an earlier run.\n")
+        raise
+    (out_dir / FAILED_MARKER).unlink(missing_ok=True)
+    return result
+
+
+def _run(args: EvalArgs) -> tuple[dict, int]:
+    t_start = time.time()
+    _validate(args)
+    configs = parse_configs(args.configs)
+    max_ppl = gate.parse_threshold(args.max_ppl_delta, "--max-ppl-delta")
+    max_kl = gate.parse_threshold(args.max_kl, "--max-kl")
+    from qkv.registry import resolve_model
+    model_path = Path(resolve_model(args.model))
+    model = model_identity(args.model, model_path)
+    old = gate.load_compare(args.compare, model) if args.compare else None
+    text = data.load_text(args.dataset)
+    from qkv.model_loader import load_tokenizer
+    windows = data.make_windows(load_tokenizer(model_path), text.text, args.num_windows, args.window)
+    engines = _build_engines(configs, args)
+    _check_lengths(engines, args)
+    base = configs[0].label
+
+    tokens = accuracy.score_windows(engines, windows, base, args.chunk_size)
+    acc = accuracy.summarize(tokens, base, args.bootstrap, args.seed)
+    lat = None
+    if args.ttft_lengths and args.repeats:
+        lat = latency.measure_latency(engines, base, args.ttft_lengths, args.repeats, args.decode_batches,
+                                      args.decode_prompt_len, args.decode_tokens, args.seed)
+    mem = {c.label: latency.memory_metrics(engines[c.label], args.kv_budget, args.memory_len) for c in configs}
+    scales = {}
+    for c in configs:
+        got = scales_table.layer_ranges(engines[c.label], c.scales)
+        if got is not None:
+            scales[c.label] = got
+    first = engines[base]
+    r = {
+        "kind": gate.REPORT_KIND, "report_version": gate.REPORT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": args.command or f"python: qkv.eval.run.run_eval({args!r})",
+        "model": {**model, "dtype": str(first.dtype).replace("torch.", ""),
+                  "num_layers": len(first.layer_specs), "max_model_len": first.max_model_len},
+        "baseline": base,
+        "configs": [{**c.to_json(), "cache": engines[c.label].cache.dtype_summary()} for c in configs],
+        "setup": {"dataset": text.name, "dataset_source": text.source, "dataset_sha256": text.sha256,
+                  "dataset_file_sha256": text.file_sha256, "num_windows": args.num_windows,
+                  "window": args.window, "scored_tokens_per_window": len(windows[0]) - 1,
+                  "seed": args.seed, "bootstrap_resamples": args.bootstrap, "chunk_size": args.chunk_size,
+                  "ttft_lengths": args.ttft_lengths, "repeats": args.repeats,
+                  "decode_batches": args.decode_batches, "decode_prompt_len": args.decode_prompt_len,
+                  "decode_tokens": args.decode_tokens, "kv_cache_memory": args.kv_cache_memory},
+        "gate": {"max_ppl_delta": max_ppl, "max_kl": max_kl},
+        "verdicts": gate.verdicts(acc, base, max_ppl, max_kl),
+        "accuracy": acc, "latency": lat, "memory": mem, "scales": scales, "compare": None,
+        "environment": environment(args.seed),
+    }
+    failed = any(v["verdict"] == "FAIL" for v in r["verdicts"].values())
+    if old is not None:
+        r["compare"] = gate.compare(r, old, args.gate_latency)
+        r["compare"]["source"] = str(args.compare)
+        failed = failed or r["compare"]["failed"]
+    r["gate"]["passed"] = not failed
+    r["elapsed_s"] = time.time() - t_start
+    report.write_report(r, args.report)
+    return r, 1 if failed else 0
