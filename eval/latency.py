@@ -27,20 +27,12 @@ import torch
 
 from qkv.config import parse_size
 from qkv.kv_cache import bytes_per_block
+from qkv.bench import random_prompts
 from qkv.sampling import SamplingParams
 
-__all__ = ["random_prompts", "measure_latency", "memory_metrics"]
+__all__ = ["measure_latency", "memory_metrics"]
 
 logger = logging.getLogger("qkv.eval")
-
-
-def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
-        out.append([t if t not in avoid else 3 for t in ids])
-    return out
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list]:

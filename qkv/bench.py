@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["run_bench"]
+__all__ = ["run_bench", "random_prompts"]
 
 
-def _prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int]) -> list[list[int]]:
+def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int]) -> list[list[int]]:
+    """``n`` reproducible random prompts of ``length`` ids, with ``avoid`` (EOS) ids replaced."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
@@ -69,7 +70,7 @@ def run_bench(args) -> dict:
         q_ttft, h_ttft, q_dec, h_dec = [], [], [], []
         for r in range(args.repeats + 1):  # the first round warms both up and is discarded
             seed += 1
-            prompts = _prompts(engine.vocab_size, b, L, seed, engine.eos_token_ids)
+            prompts = random_prompts(engine.vocab_size, b, L, seed, engine.eos_token_ids)
             # TTFT of a batch = time until every prompt has its first token (the whole prefill);
             # decode rate = tokens after the first over the extra time of an N-token run.
             q_first = _qkv_run(engine, prompts, 1)
