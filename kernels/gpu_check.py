@@ -4,11 +4,12 @@ Usage on a CUDA machine (finishes in a few minutes on one H100/H200)::
 
     python -m qkv.kernels.gpu_check --out kernels/results
 
-1. Runs ``tests/test_kernel_cache_write.py`` and ``tests/test_kernel_attention.py``
-   with ``TRITON_INTERPRET`` unset, so the kernels are compiled for the GPU
+1. Runs ``tests/test_kernel_cache_write.py``, ``tests/test_kernel_attention.py`` and
+   ``tests/test_kernel_rotation_channel.py`` with ``TRITON_INTERPRET`` unset, so the kernels are compiled for the GPU
    (bit-exact cache bytes vs torch, attention within 1e-3).
 2. Times paged *decode* attention (one query token per sequence) at 1k, 8k and
-   32k context for a BF16 and an FP8 (e4m3, per-head scales) cache, Llama-3-8B
+   32k context for a BF16 and an FP8 (e4m3, per-head scales) cache, and FP8 with
+   Hadamard rotation and per-channel scales (qkv's extensions), Llama-3-8B
    shaped heads (32 query heads, 8 kv heads, head_dim 128), and torch SDPA on
    contiguous BF16 K/V as the yardstick. Reports time and effective GB/s (bytes
    of K/V, scales included, read once per call).
@@ -36,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_kernel_tests() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/test_kernel_cache_write.py", "tests/test_kernel_attention.py"]
+           "tests/test_kernel_cache_write.py", "tests/test_kernel_attention.py",
+           "tests/test_kernel_rotation_channel.py"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
@@ -87,19 +89,23 @@ def bench_decode(contexts: list[int], batch: int, device: str, iters: int) -> li
         v = torch.randn(batch, hkv, ctx, d, device=device, dtype=torch.bfloat16)
         slots = (tables.long()[:, :, None] * bs + torch.arange(bs, device=device)).reshape(batch, ctx)
         row = {"context": ctx, "batch": batch}
-        for name in ("bfloat16", "fp8_e4m3"):
+        for label, name, rotate, channel in (("bfloat16", "bfloat16", False, False),
+                                             ("fp8_e4m3", "fp8_e4m3", False, False),
+                                             ("fp8_e4m3+hadamard+channel", "fp8_e4m3", True, True)):
             dt = resolve_cache_dtype(name)
             cache = torch.zeros(num_blocks, 2, bs, hkv, d, dtype=dt.storage, device=device)
-            ks = vs = torch.full((hkv,), 0.01, device=device) if dt.quantized else None
+            ks = vs = torch.full((hkv, d) if channel else (hkv,), 0.01, device=device) if dt.quantized else None
             for s in range(batch):  # fill the cache with the reference writer (setup, not timed)
-                write_kv_cache(k[s].transpose(0, 1), v[s].transpose(0, 1), cache, slots[s], dt, ks, vs)
+                write_kv_cache(k[s].transpose(0, 1), v[s].transpose(0, 1), cache, slots[s], dt, ks, vs,
+                               rotate=rotate)
 
-            def call(cache=cache, dt=dt, ks=ks, vs=vs):
-                return triton_paged_attention(q, cache, tables, seq_lens, qsl, dt, ks, vs, None, d ** -0.5)
+            def call(cache=cache, dt=dt, ks=ks, vs=vs, rotate=rotate):
+                return triton_paged_attention(q, cache, tables, seq_lens, qsl, dt, ks, vs, None, d ** -0.5,
+                                              rotate=rotate)
 
             ms = _time(call, device, iters)
             nbytes = 2 * batch * ctx * hkv * d * dt.itemsize
-            row[name] = {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6, 1)}
+            row[label] = {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6, 1)}
 
         def sdpa():
             return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)

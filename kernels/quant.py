@@ -5,9 +5,20 @@ vLLM's: ``q = x / s`` and ``x ~= q * s``; fp8 saturates to the largest finite
 value instead of producing NaN/inf (vLLM writes with ``__NV_SATFINITE``); int8
 is symmetric, rounds half to even and clamps to +-127 (-128 unused).
 
-Scales are always handed to kernels as fp32 tensors of shape ``[num_kv_heads]``
-(a per-tensor scale is broadcast to every head), so a kernel needs exactly one
-code path for both granularities.
+Static scales are handed to kernels as fp32 tensors of shape ``[num_kv_heads]``
+(a per-tensor scale is broadcast to every head), so one code path serves both
+compressed-tensors granularities, or ``[num_kv_heads, head_dim]`` for qkv's
+per-channel extension (``channel``: the K scale is folded into the query and the
+V scale into the output at attention time).
+
+Rotation (qkv extension, ``--kv-rotation hadamard``): K and V are multiplied by
+the orthonormal Hadamard matrix ``H`` of size ``head_dim`` before they are
+quantized. Attention is unchanged because ``q . k = (qH) . (kH)`` and the output
+``P (VH) H^T = P V``; a rotation spreads single-channel outliers over every
+channel, so a static scale fits the rotated values much better. The transform
+is a fast Walsh-Hadamard transform in fp32 with a fixed butterfly order
+(strides 1, 2, 4, ...), then one multiply by ``head_dim ** -0.5``; the Triton
+kernels run the same additions in the same order, so cache bytes stay bit-exact.
 """
 
 from __future__ import annotations
@@ -24,7 +35,13 @@ __all__ = [
     "dequantize",
     "dynamic_scales",
     "DYNAMIC_SCALE_FLOOR",
+    "ROTATIONS",
+    "check_rotation",
+    "hadamard_rotate",
+    "rotation_norm",
 ]
+
+ROTATIONS = ("none", "hadamard")
 
 # Smallest dynamic scale: an all-zero (token, head) row gets this scale, so
 # quantization never divides by zero and the row still decodes to exact zeros.
@@ -91,16 +108,64 @@ def resolve_cache_dtype(name: str, model_dtype: torch.dtype = torch.bfloat16) ->
     return _DTYPES[key]
 
 
-def _scale_view(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Broadcast a ``[H]`` (static) or ``[T, H]`` (dynamic) scale over ``x = [T, H, D]``."""
-    return scale.to(torch.float32).unsqueeze(-1)
+def check_rotation(rotation: str | None, head_dim: int) -> str | None:
+    """``"hadamard"`` or ``None`` (for ``None``/``"none"``); a clear error for anything else.
+
+    The Walsh-Hadamard transform exists for powers of two only; qkv implements no
+    general orthogonal rotation, so other head sizes are refused up front.
+    """
+    if rotation in (None, "none"):
+        return None
+    if rotation != "hadamard":
+        raise ValueError(f"unknown kv-cache rotation {rotation!r}; choose one of: {', '.join(ROTATIONS)}")
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"--kv-rotation hadamard needs a power-of-two head_dim, but this model's head_dim "
+                         f"is {head_dim}; use --kv-rotation none")
+    return rotation
+
+
+def rotation_norm(head_dim: int) -> torch.Tensor:
+    """The fp32 constant ``head_dim ** -0.5`` every implementation multiplies by."""
+    return torch.tensor(float(head_dim) ** -0.5, dtype=torch.float32)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x @ H`` along the last dim in fp32 (``H`` the normalized Sylvester Hadamard matrix, ``H = H^T = H^-1``).
+
+    Butterflies of stride 1, 2, 4, ..., D/2, each ``(a, b) -> (a + b, a - b)``,
+    then one multiply by ``D ** -0.5``: the exact operation order the Triton
+    kernels use, so both round identically.
+    """
+    d = x.shape[-1]
+    check_rotation("hadamard", d)
+    y = x.to(torch.float32)
+    lead = y.shape[:-1]
+    h = 1
+    while h < d:
+        y = y.reshape(*lead, d // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return y.reshape(*lead, d) * rotation_norm(d)
+
+
+def _scale_view(scale: torch.Tensor, x: torch.Tensor, dt: CacheDtype) -> torch.Tensor:
+    """Broadcast a scale over ``x = [T, H, D]``.
+
+    ``[H]`` (static per head/tensor) and ``[T, H]`` (dynamic) get a trailing
+    axis; a static ``[H, D]`` per-channel scale already broadcasts.
+    """
+    scale = scale.to(torch.float32)
+    if scale.dim() == 2 and not dt.dynamic:
+        return scale
+    return scale.unsqueeze(-1)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dt: CacheDtype) -> torch.Tensor:
-    """Quantize ``x`` ([T, H, D]) with ``scale`` ([H] or [T, H]) into ``dt.storage``."""
+    """Quantize ``x`` ([T, H, D]) with ``scale`` ([H], [H, D] or dynamic [T, H]) into ``dt.storage``."""
     if not dt.quantized:
         return x.to(dt.storage)
-    y = x.to(torch.float32) / _scale_view(scale, x)
+    y = x.to(torch.float32) / _scale_view(scale, x, dt)
     if dt.kind == "int":
         return torch.round(y).clamp_(-dt.qmax, dt.qmax).to(torch.int8)
     # NaN inputs stay NaN; finite values saturate like __NV_SATFINITE.
@@ -113,7 +178,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dt: CacheDtype,
     if not dt.quantized:
         return q.to(out_dtype)
     assert scale is not None
-    return (q.to(torch.float32) * _scale_view(scale, q)).to(out_dtype)
+    return (q.to(torch.float32) * _scale_view(scale, q, dt)).to(out_dtype)
 
 
 def dynamic_scales(x: torch.Tensor, dt: CacheDtype) -> torch.Tensor:

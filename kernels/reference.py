@@ -7,6 +7,13 @@ Layout (vLLM's Triton layout), one tensor per layer:
 * ``scale_cache`` (dynamic per-token-head modes only):
   ``[num_blocks, 2, block_size, num_kv_heads]`` fp32.
 * A *slot* is ``block_id * block_size + offset``; slot ``-1`` means "do not write".
+* ``rotate=True`` (``--kv-rotation hadamard``): the cache holds ``K H`` and ``V H``
+  (``H`` the normalized Hadamard matrix); attention rotates the query the same
+  way and the output back, so its result is unchanged up to rounding.
+* Static scales are ``[Hkv]`` or, for qkv's per-channel strategy, ``[Hkv, D]``
+  (in the rotated basis when ``rotate``). Here they simply dequantize K and V;
+  the Triton kernel folds them into the query and the output instead, which is
+  the same arithmetic regrouped.
 
 Attention is write-then-attend: callers write the step's new K/V first, then
 every query token reads its whole context (new tokens included) back from the
@@ -24,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .quant import CacheDtype, dequantize, dynamic_scales, quantize
+from .quant import CacheDtype, dequantize, dynamic_scales, hadamard_rotate, quantize
 
 __all__ = ["write_kv_cache", "gather_kv", "paged_attention", "context_mask"]
 
@@ -32,9 +39,11 @@ __all__ = ["write_kv_cache", "gather_kv", "paged_attention", "context_mask"]
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, dt: CacheDtype,
                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                   scale_cache: torch.Tensor | None = None) -> None:
+                   scale_cache: torch.Tensor | None = None, rotate: bool = False) -> None:
     """Quantize ``key``/``value`` ([T, Hkv, D]) and scatter them into ``kv_cache`` at ``slot_mapping``."""
     block_size = kv_cache.shape[2]
+    if rotate:
+        key, value = hadamard_rotate(key), hadamard_rotate(value)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -96,7 +105,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, dt: CacheDtype,
                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                     scale_cache: torch.Tensor | None, sm_scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, rotate: bool = False) -> torch.Tensor:
     """Varlen paged attention over ``query`` ([T, Hq, D]); returns ``[T, Hq, D]`` in query's dtype.
 
     Sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``
@@ -104,6 +113,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     last ones. GQA is handled by SDPA's ``enable_gqa`` or by repeating heads when a
     mask is needed, as transformers does.
     """
+    if rotate:  # (qH).(kH) = q.k; the output P(VH) is rotated back below
+        out = paged_attention(hadamard_rotate(query).to(query.dtype), kv_cache, block_tables, seq_lens,
+                              query_start_loc, dt, k_scale, v_scale, scale_cache, sm_scale, sliding_window)
+        return hadamard_rotate(out).to(query.dtype)
     out = torch.empty_like(query)
     num_q_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
     groups = num_q_heads // num_kv_heads

@@ -19,7 +19,11 @@ last query position + 1 (<= seq_len) and ``lo`` is the sliding-window start, and
 loads outside ``[lo, hi)`` are masked, so stale bytes (possibly NaN in fp8) past a
 sequence's length or before its window are never read. Softmax is an fp32 online
 softmax; dequantization (static per-head scale or per-slot dynamic scale) happens
-in registers.
+in registers. qkv's per-channel static scales (``CHANNEL``) are folded instead:
+the K scale into the query tile once per program (``q . (k_q * s_k) = (q * s_k) . k_q``)
+and the V scale into the output (``sum p (v_q * s_v) = s_v * sum p v_q``). With
+``ROTATE`` the query tile is Hadamard-rotated after loading and the output
+rotated back before the store (:mod:`.triton_hadamard`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import CacheDtype
+from .quant import CacheDtype, check_rotation
+from .triton_hadamard import fwht_rows
 
 __all__ = ["triton_paged_attention"]
 
@@ -46,6 +51,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     QUANTIZED: tl.constexpr, DYNAMIC: tl.constexpr, USE_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, LOG2_D: tl.constexpr, ROT_NORM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -66,9 +72,15 @@ def _paged_attention_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if ROTATE:  # (qH).(kH) = q.k; rounded back to the query dtype like the reference
+        q = fwht_rows(q.to(tl.float32), BLOCK_M, HEAD_DIM, LOG2_D, ROT_NORM).to(q_ptr.dtype.element_ty)
     q_dot = q
+    if CHANNEL:  # fold the [D] K scale of this kv head into the query
+        k_scale_ch = tl.load(k_scale_ptr + kv_head * HEAD_DIM + d)
+        v_scale_ch = tl.load(v_scale_ptr + kv_head * HEAD_DIM + d)
+        q_dot = (q.to(tl.float32) * k_scale_ch[None, :]).to(q.dtype)
     if DOT_FP32:
-        q_dot = q.to(tl.float32)
+        q_dot = q_dot.to(tl.float32)
 
     # Keys visible to any row of this tile: [lo, hi).
     tile_first_pos = first_q_pos + tile * BLOCK_Q
@@ -77,7 +89,7 @@ def _paged_attention_kernel(
     if USE_WINDOW:
         lo = tl.maximum(tile_first_pos - window + 1, 0)
 
-    if QUANTIZED and not DYNAMIC:
+    if QUANTIZED and not DYNAMIC and not CHANNEL:
         k_scale = tl.load(k_scale_ptr + kv_head)
         v_scale = tl.load(v_scale_ptr + kv_head)
 
@@ -100,6 +112,9 @@ def _paged_attention_kernel(
                 s_ptrs = scale_cache_ptr + block * stride_sb + (k_pos % block_size) * stride_ss + kv_head
                 k = k.to(tl.float32) * tl.load(s_ptrs, mask=k_ok, other=0.0)[:, None]
                 v = v.to(tl.float32) * tl.load(s_ptrs + stride_skv, mask=k_ok, other=0.0)[:, None]
+            elif CHANNEL:  # scales folded into the query and the output
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
             else:
                 k = k.to(tl.float32) * k_scale
                 v = v.to(tl.float32) * v_scale
@@ -127,6 +142,10 @@ def _paged_attention_kernel(
         m_i = m_new
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if CHANNEL:
+        acc = acc * v_scale_ch[None, :]
+    if ROTATE:
+        acc = fwht_rows(acc, BLOCK_M, HEAD_DIM, LOG2_D, ROT_NORM)
     out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -145,8 +164,11 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, dt: CacheDtype,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                            scale_cache: torch.Tensor | None, sm_scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
-    """Varlen paged attention over ``query`` ([T, Hq, D]); returns ``[T, Hq, D]`` in query's dtype."""
+                           sliding_window: int | None = None, rotate: bool = False) -> torch.Tensor:
+    """Varlen paged attention over ``query`` ([T, Hq, D]); returns ``[T, Hq, D]`` in query's dtype.
+
+    Static ``k_scale``/``v_scale`` are ``[Hkv]`` (or one element), or ``[Hkv, D]`` per channel.
+    """
     if query.dim() != 3:
         raise ValueError(f"query must be [T, Hq, D], got {tuple(query.shape)}")
     num_tokens, num_q_heads, head_dim = query.shape
@@ -177,9 +199,20 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         s_strides = scale_cache.stride()[:3]
     else:
         scale_cache, s_strides = kv_cache, (0, 0, 0)
+    if rotate:
+        check_rotation("hadamard", head_dim)
+    channel = False
     if dt.quantized and not dt.dynamic:
         if k_scale is None or v_scale is None:
             raise ValueError(f"{dt.name} needs k_scale and v_scale")
+        channel = k_scale.dim() == 2 or v_scale.dim() == 2
+    if channel:
+        if tuple(k_scale.shape) != (num_kv_heads, head_dim) or tuple(v_scale.shape) != (num_kv_heads, head_dim):
+            raise ValueError(f"per-channel k_scale/v_scale must both be [num_kv_heads={num_kv_heads}, "
+                             f"head_dim={head_dim}], got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+        k_scale = k_scale.to(device=query.device, dtype=torch.float32).contiguous()
+        v_scale = v_scale.to(device=query.device, dtype=torch.float32).contiguous()
+    elif dt.quantized and not dt.dynamic:
         if k_scale.numel() not in (1, num_kv_heads) or v_scale.numel() not in (1, num_kv_heads):
             raise ValueError(f"k_scale/v_scale must have shape [num_kv_heads={num_kv_heads}] (or one element)")
         k_scale = k_scale.to(device=query.device, dtype=torch.float32).reshape(-1).expand(num_kv_heads).contiguous()
@@ -222,5 +255,6 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         QUANTIZED=dt.quantized, DYNAMIC=dt.dynamic, USE_WINDOW=sliding_window is not None,
         DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32",  # no TF32 for fp32
+        CHANNEL=channel, ROTATE=rotate, LOG2_D=head_dim.bit_length() - 1, ROT_NORM=float(head_dim) ** -0.5,
     )
     return out

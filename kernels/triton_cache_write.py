@@ -18,7 +18,9 @@ Bit-exactness notes. The kernel never relies on a float cast to round:
   truncates fp32 -> bf16.
 
 One program writes one token (grid = ``(T,)``): all kv heads of K and V, plus their
-dynamic scales; a ``-1`` slot masks every store of its program.
+dynamic scales; a ``-1`` slot masks every store of its program. ``ROTATE`` applies
+the Hadamard rotation in registers first (:mod:`.triton_hadamard`, bit-exact with
+the reference); ``CHANNEL`` loads a ``[Hkv, D]`` static scale tile instead of ``[Hkv]``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import DYNAMIC_SCALE_FLOOR, CacheDtype
+from .quant import DYNAMIC_SCALE_FLOOR, CacheDtype, check_rotation
+from .triton_hadamard import fwht_rows
 
 __all__ = ["triton_write_kv_cache"]
 
@@ -70,12 +73,12 @@ def _round_to_bf16(x):
 @triton.jit
 def _quantize(x, scale, KIND: tl.constexpr, QMAX: tl.constexpr, MANT_BITS: tl.constexpr,
               MIN_EXP: tl.constexpr, ROUND_BF16: tl.constexpr, out_ty: tl.constexpr):
-    """``x`` fp32 [BLOCK_H, BLOCK_D], ``scale`` fp32 [BLOCK_H] -> values of ``out_ty``."""
+    """``x`` fp32 [BLOCK_H, BLOCK_D], ``scale`` fp32 [BLOCK_H, BLOCK_D] -> values of ``out_ty``."""
     if KIND == 0:  # unquantized copy
         if ROUND_BF16:
             x = _round_to_bf16(x)
         return x.to(out_ty)
-    y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    y = tl.math.div_rn(x, scale)
     y = tl.maximum(y, -QMAX, propagate_nan=tl.PropagateNan.ALL)
     y = tl.minimum(y, QMAX, propagate_nan=tl.PropagateNan.ALL)
     if KIND == 1:  # int8: clamping first, then rounding, equals torch's round-then-clamp
@@ -95,6 +98,7 @@ def _write_kv_kernel(
     stride_sb, stride_skv, stride_ss,
     KIND: tl.constexpr, DYNAMIC: tl.constexpr, QMAX: tl.constexpr,
     MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, ROUND_BF16: tl.constexpr,
+    ROTATE: tl.constexpr, LOG2_D: tl.constexpr, ROT_NORM: tl.constexpr, CHANNEL: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -112,9 +116,12 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
     k = k.to(tl.float32)
     v = v.to(tl.float32)
+    if ROTATE:  # BLOCK_D == head_dim (a power of two); padded heads are zero rows
+        k = fwht_rows(k, BLOCK_H, BLOCK_D, LOG2_D, ROT_NORM)
+        v = fwht_rows(v, BLOCK_H, BLOCK_D, LOG2_D, ROT_NORM)
 
     if KIND == 0:
-        k_scale = tl.full((BLOCK_H,), 1.0, tl.float32)
+        k_scale = tl.full((BLOCK_H, BLOCK_D), 1.0, tl.float32)
         v_scale = k_scale
     elif DYNAMIC:
         # amax(|x|) / qmax, floored; stored beside the block
@@ -125,9 +132,14 @@ def _write_kv_kernel(
         s_base = scale_cache_ptr + block * stride_sb + offset * stride_ss + h
         tl.store(s_base, k_scale, mask=h_ok)
         tl.store(s_base + stride_skv, v_scale, mask=h_ok)
+        k_scale = tl.broadcast_to(k_scale[:, None], (BLOCK_H, BLOCK_D))
+        v_scale = tl.broadcast_to(v_scale[:, None], (BLOCK_H, BLOCK_D))
+    elif CHANNEL:  # [Hkv, D] static scales, contiguous
+        k_scale = tl.load(k_scale_ptr + h[:, None] * head_dim + d[None, :], mask=mask, other=1.0)
+        v_scale = tl.load(v_scale_ptr + h[:, None] * head_dim + d[None, :], mask=mask, other=1.0)
     else:
-        k_scale = tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)
-        v_scale = tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)
+        k_scale = tl.broadcast_to(tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)[:, None], (BLOCK_H, BLOCK_D))
+        v_scale = tl.broadcast_to(tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)[:, None], (BLOCK_H, BLOCK_D))
 
     out_ty = cache_ptr.dtype.element_ty
     kq = _quantize(k, k_scale, KIND, QMAX, MANT_BITS, MIN_EXP, ROUND_BF16, out_ty)
@@ -140,10 +152,18 @@ def _write_kv_kernel(
 _FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 
 
-def _check_scale(name: str, scale: torch.Tensor | None, num_heads: int, device) -> torch.Tensor:
+def _check_scale(name: str, scale: torch.Tensor | None, num_heads: int, device,
+                 head_dim: int | None = None) -> torch.Tensor:
+    """``[1]``/``[H]`` -> contiguous fp32 ``[H]``; with ``head_dim`` (per-channel) exactly ``[H, D]``."""
     if scale is None:
         raise ValueError(f"{name} is required for a statically scaled quantized cache")
-    scale = torch.as_tensor(scale, device=device).to(torch.float32).reshape(-1)
+    scale = torch.as_tensor(scale, device=device).to(torch.float32)
+    if head_dim is not None:
+        if tuple(scale.shape) != (num_heads, head_dim):
+            raise ValueError(f"per-channel {name} must have shape [num_kv_heads={num_heads}, "
+                             f"head_dim={head_dim}], got {tuple(scale.shape)}")
+        return scale.contiguous()
+    scale = scale.reshape(-1)
     if scale.numel() == 1:
         scale = scale.expand(num_heads)
     if scale.numel() != num_heads:
@@ -155,8 +175,11 @@ def _check_scale(name: str, scale: torch.Tensor | None, num_heads: int, device) 
 def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                           slot_mapping: torch.Tensor, dt: CacheDtype,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          scale_cache: torch.Tensor | None = None) -> None:
-    """Quantize ``key``/``value`` ([T, Hkv, D]) and scatter them into ``kv_cache`` at ``slot_mapping``."""
+                          scale_cache: torch.Tensor | None = None, rotate: bool = False) -> None:
+    """Quantize ``key``/``value`` ([T, Hkv, D]) and scatter them into ``kv_cache`` at ``slot_mapping``.
+
+    A 2-D ``[Hkv, D]`` static ``k_scale``/``v_scale`` selects the per-channel path.
+    """
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and {tuple(value.shape)}")
     num_tokens, num_heads, head_dim = key.shape
@@ -174,9 +197,12 @@ def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
         if t.device != kv_cache.device:
             raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
+    if rotate:
+        check_rotation("hadamard", head_dim)
     if num_tokens == 0:
         return
     num_blocks, _, block_size = kv_cache.shape[:3]
+    channel = False
 
     kind = {"none": 0, "int": 1, "float": 2}[dt.kind]
     if dt.dynamic:
@@ -190,8 +216,10 @@ def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
             raise ValueError("scale_cache must be on kv_cache's device and contiguous in its last dimension")
         k_scale = v_scale = scale_cache  # unused placeholders
     elif dt.quantized:
-        k_scale = _check_scale("k_scale", k_scale, num_heads, kv_cache.device)
-        v_scale = _check_scale("v_scale", v_scale, num_heads, kv_cache.device)
+        channel = k_scale is not None and torch.as_tensor(k_scale).dim() == 2
+        dim = head_dim if channel else None
+        k_scale = _check_scale("k_scale", k_scale, num_heads, kv_cache.device, dim)
+        v_scale = _check_scale("v_scale", v_scale, num_heads, kv_cache.device, dim)
     else:
         k_scale = v_scale = kv_cache  # unused placeholders
     if scale_cache is None or not dt.dynamic:
@@ -210,5 +238,6 @@ def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
         KIND=kind, DYNAMIC=dt.dynamic, QMAX=float(dt.qmax),
         MANT_BITS=mant_bits, MIN_EXP=min_exp,
         ROUND_BF16=dt.storage == torch.bfloat16,
+        ROTATE=rotate, LOG2_D=head_dim.bit_length() - 1, ROT_NORM=float(head_dim) ** -0.5, CHANNEL=channel,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
     )
