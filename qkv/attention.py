@@ -91,12 +91,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         ctx.observer(module.layer_idx, k, v)
     backend = ctx.backend
     backend.write_kv_cache(k, v, layer.kv, ctx.slot_mapping, layer.spec.dtype,
-                           layer.k_scale, layer.v_scale, layer.scale_cache)
+                           layer.k_scale, layer.v_scale, layer.scale_cache, rotate=layer.spec.rotation is not None)
     if scaling is None:
         scaling = module.head_dim ** -0.5 if hasattr(module, "head_dim") else q.shape[-1] ** -0.5
     out = backend.paged_attention(q, layer.kv, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                                   layer.spec.dtype, layer.k_scale, layer.v_scale, layer.scale_cache,
-                                  scaling, layer.spec.sliding_window)
+                                  scaling, layer.spec.sliding_window, rotate=layer.spec.rotation is not None)
     return out.unsqueeze(0), None
 
 

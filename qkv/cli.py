@@ -17,7 +17,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto, bfloat16, fp8 (=fp8_e4m3), fp8_e5m2, int8, fp8_per_token_head, int8_per_token_head")
     p.add_argument("--kv-scales", default=None, help="calibrated checkpoint dir or scales file (qkv calibrate -o)")
     p.add_argument("--kv-cache-dtype-skip-layers", nargs="+", default=None,
-                   help="keep these layers' cache unquantized: 'sliding_window' and/or layer indices")
+                   help="keep these layers' cache unquantized: 'sliding_window' and/or layer indices "
+                        "(default: the layers a calibrated checkpoint's auto-skip chose, else none)")
+    p.add_argument("--kv-rotation", choices=["auto", "none", "hadamard"], default="auto",
+                   help="qkv extension: Hadamard-rotate K/V along head_dim before quantizing "
+                        "(auto: whatever the scales were calibrated with)")
     p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache, e.g. 2GiB (default 1GiB)")
     p.add_argument("--num-blocks", type=int, default=None, help="number of KV blocks (overrides --kv-cache-memory)")
     p.add_argument("--block-size", type=int, default=16)
@@ -33,7 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="one GEMM per sequence, so results do not depend on the batch (slower)")
 
 
-_ENGINE_KEYS = ("dtype", "kv_cache_dtype", "kv_scales", "kv_cache_dtype_skip_layers", "kv_cache_memory",
+_ENGINE_KEYS = ("dtype", "kv_cache_dtype", "kv_scales", "kv_cache_dtype_skip_layers", "kv_rotation",
+                "kv_cache_memory",
                 "num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                 "enable_prefix_caching", "attention_backend", "device", "batch_invariant")
 

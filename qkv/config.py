@@ -47,6 +47,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_scales: str | None = None
     kv_cache_dtype_skip_layers: list[str | int] | str | None = None
+    kv_rotation: str = "auto"   # qkv extension: auto (the scales' rotation) | none | hadamard
     block_size: int = 16
     kv_cache_memory: int | str | None = None
     num_blocks: int | None = None
@@ -66,6 +67,8 @@ class EngineConfig:
         from .kernels.quant import resolve_cache_dtype
         resolve_cache_dtype(self.kv_cache_dtype)  # unknown dtype: fail before loading anything
         parse_skip_layers(self.kv_cache_dtype_skip_layers)
+        if self.kv_rotation not in ("auto", "none", "hadamard"):
+            raise ValueError(f"kv_rotation must be auto, none or hadamard, got {self.kv_rotation!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

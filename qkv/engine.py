@@ -13,7 +13,6 @@ from .block_pool import BlockPool
 from .config import EngineConfig, parse_size
 from .kv_cache import KVCache, capacity_line, plan_num_blocks
 from .kv_cache_manager import KVCacheManager, cdiv
-from .layer_specs import build_layer_specs
 from .model_loader import attention_layout, load_model, load_tokenizer, resolve_dtype, text_config
 from .attention import get_backend
 from .runner import ModelRunner
@@ -28,7 +27,9 @@ logger = logging.getLogger("qkv")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, preloaded_model: torch.nn.Module | None = None) -> None:
+        """``preloaded_model``: another engine's model (same checkpoint, dtype and device) to share,
+        so that comparing many cache configurations does not load the weights many times."""
         config.validate()
         self.config = config
         from .registry import resolve_model  # pulls a registry name on first use
@@ -38,15 +39,21 @@ class LLMEngine:
         from .model_loader import load_config
         hf_config = load_config(self.model_path)
         self.dtype = resolve_dtype(config.dtype, text_config(hf_config))
-        self.model = load_model(self.model_path, self.dtype, self.device)
+        if preloaded_model is not None:
+            p = next(preloaded_model.parameters())
+            if p.dtype != self.dtype or p.device.type != self.device.type:
+                raise ValueError(f"preloaded model is {p.dtype} on {p.device}, engine wants {self.dtype} on {self.device}")
+            self.model = preloaded_model
+        else:
+            self.model = load_model(self.model_path, self.dtype, self.device)
         self.hf_config = text_config(self.model.config)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
 
         layout = attention_layout(self.model)
-        self.layer_specs = build_layer_specs(layout, config.kv_cache_dtype, self.dtype,
-                                             config.kv_cache_dtype_skip_layers)
-        from .scales import resolve_scales
-        scales = resolve_scales(self.layer_specs, self.model_path, config.kv_scales, config.kv_cache_dtype)
+        from .scales import resolve_kv_cache
+        self.layer_specs, scales = resolve_kv_cache(
+            layout, self.model_path, config.kv_cache_dtype, self.dtype, config.kv_scales,
+            config.kv_cache_dtype_skip_layers, config.kv_rotation)
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
@@ -78,6 +85,19 @@ class LLMEngine:
             elif src:
                 ids.update(src)
         return ids
+
+    def replace_kv_cache(self, specs: list, scales: dict | None = None) -> None:
+        """Swap in a cache with other per-layer specs (same block count), e.g. one layer quantized at a time.
+
+        Auto-skip measures each layer's sensitivity this way without reloading the
+        model. Only an idle engine may do it: block contents do not survive.
+        """
+        if self.requests:
+            raise RuntimeError("replace_kv_cache needs an idle engine (requests are running)")
+        self.pool.reset_prefix_cache()  # cached blocks would hold the old cache's contents
+        self.cache = KVCache(specs, self.cache.num_blocks, self.block_size, self.device, scales)
+        self.runner.cache = self.cache
+        self.layer_specs = specs
 
     @property
     def kv_bytes_per_token(self) -> int:

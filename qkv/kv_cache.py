@@ -26,6 +26,7 @@ class LayerSpec:
     head_dim: int
     dtype: CacheDtype
     sliding_window: int | None = None
+    rotation: str | None = None   # "hadamard": the cache holds K H and V H (qkv extension)
 
     @property
     def bytes_per_token(self) -> int:
@@ -37,7 +38,7 @@ class LayerSpec:
 class LayerCache:
     spec: LayerSpec
     kv: torch.Tensor                      # [num_blocks, 2, block_size, Hkv, D]
-    k_scale: torch.Tensor | None = None   # [Hkv] fp32 (static modes)
+    k_scale: torch.Tensor | None = None   # [Hkv], or [Hkv, D] per channel, fp32 (static modes)
     v_scale: torch.Tensor | None = None
     scale_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, Hkv] fp32 (dynamic modes)
 
@@ -54,6 +55,14 @@ def plan_num_blocks(specs: list[LayerSpec], block_size: int, kv_cache_memory: in
             f"--kv-cache-memory {kv_cache_memory} B holds {n} blocks of "
             f"{bytes_per_block(specs, block_size)} B; need at least 2")
     return int(n)
+
+
+def _static_scale(t: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """``[1]``/``[Hkv]`` -> fp32 ``[Hkv]``; a per-channel ``[Hkv, D]`` scale stays 2-D."""
+    t = t.to(torch.float32)
+    if t.dim() == 2:
+        return t.contiguous()
+    return t.reshape(-1).expand(spec.num_kv_heads).contiguous()
 
 
 class KVCache:
@@ -75,8 +84,8 @@ class KVCache:
                                                dtype=torch.float32, device=device)
             elif s.dtype.quantized:
                 k, v = (scales or {}).get(s.layer_idx, (torch.ones(1), torch.ones(1)))
-                layer.k_scale = k.to(torch.float32).expand(s.num_kv_heads).contiguous().to(device)
-                layer.v_scale = v.to(torch.float32).expand(s.num_kv_heads).contiguous().to(device)
+                layer.k_scale = _static_scale(k, s).to(device)
+                layer.v_scale = _static_scale(v, s).to(device)
             self.layers.append(layer)
 
     @property
@@ -93,10 +102,11 @@ class KVCache:
         return total
 
     def dtype_summary(self) -> str:
-        """e.g. ``fp8_e4m3 x26 + bfloat16 x4`` for a cache with skipped layers."""
+        """e.g. ``fp8_e4m3 x26 + bfloat16 x4`` for a cache with skipped layers (``+hadamard`` when rotated)."""
         counts: dict[str, int] = {}
         for s in self.specs:
-            counts[s.dtype.name] = counts.get(s.dtype.name, 0) + 1
+            name = s.dtype.name + ("+hadamard" if s.rotation else "")
+            counts[name] = counts.get(name, 0) + 1
         return " + ".join(f"{k} x{v}" for k, v in counts.items())
 
 

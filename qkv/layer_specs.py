@@ -5,18 +5,20 @@ from __future__ import annotations
 import torch
 
 from .config import parse_skip_layers
-from .kernels.quant import resolve_cache_dtype
+from .kernels.quant import check_rotation, resolve_cache_dtype
 from .kv_cache import LayerSpec
 
 __all__ = ["build_layer_specs"]
 
 
 def build_layer_specs(layout: list[dict], kv_cache_dtype: str, model_dtype: torch.dtype,
-                      skip_layers=None) -> list[LayerSpec]:
+                      skip_layers=None, rotation: str | None = None) -> list[LayerSpec]:
     """One :class:`LayerSpec` per layer; skipped layers keep the model dtype (BF16 for bf16 models).
 
     ``skip_layers`` takes ``"sliding_window"`` and/or layer indices, as vLLM's
     ``--kv-cache-dtype-skip-layers``. Indices are checked against the model.
+    ``rotation`` (``"hadamard"``) applies to every layer that is not skipped:
+    a skipped layer stays a plain BF16 copy, exactly as without qkv's extensions.
     """
     dt = resolve_cache_dtype(kv_cache_dtype, model_dtype)
     plain = resolve_cache_dtype("auto", model_dtype)
@@ -31,6 +33,7 @@ def build_layer_specs(layout: list[dict], kv_cache_dtype: str, model_dtype: torc
     specs = []
     for d in layout:
         skip = d["layer_idx"] in indices or (skip_sliding and d["sliding_window"] is not None)
+        rot = None if skip else check_rotation(rotation, d["head_dim"])
         specs.append(LayerSpec(d["layer_idx"], d["num_kv_heads"], d["head_dim"],
-                               plain if skip else dt, d["sliding_window"]))
+                               plain if skip else dt, d["sliding_window"], rot))
     return specs

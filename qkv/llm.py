@@ -15,8 +15,8 @@ __all__ = ["LLM"]
 class LLM:
     """``LLM(model, dtype="auto", kv_cache_dtype="auto", ...)``; keyword names follow vLLM's."""
 
-    def __init__(self, model: str, **kwargs) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str, preloaded_model=None, **kwargs) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs), preloaded_model)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

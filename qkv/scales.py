@@ -11,6 +11,12 @@ Sources, in the order vLLM remaps them:
   static INT8 and the qkv extensions, with tensors in ``qkv_kv_scales.safetensors``;
 * a bare ``.safetensors`` file (``--kv-scales FILE``) whose ``__metadata__`` carries
   ``type`` (``float``/``int``) and ``strategy``; without it, fp8 is assumed.
+
+qkv's extensions travel in the same metadata: ``strategy: channel`` (``[Hkv, D]``
+scales), ``rotation: hadamard`` (scales of rotated K/V) and ``skip_layers``
+(layers auto-skip chose to keep in BF16). Scales only fit the basis they were
+calibrated in, so :func:`resolve_kv_cache` refuses a rotation flag that
+disagrees with the checkpoint instead of silently producing garbage.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from safetensors import safe_open
 
 from .kv_cache import LayerSpec
 
-__all__ = ["KVScales", "read_kv_scales", "resolve_scales", "QKV_SECTION", "QKV_SCALES_FILE"]
+__all__ = ["KVScales", "read_kv_scales", "resolve_scales", "resolve_kv_cache", "QKV_SECTION", "QKV_SCALES_FILE",
+           "KV_ROTATION_CHOICES"]
 
 logger = logging.getLogger("qkv")
 
@@ -47,6 +54,8 @@ class KVScales:
     v: dict[int, torch.Tensor] = field(default_factory=dict)
     source: str = ""
     meta: dict = field(default_factory=dict)
+    rotation: str | None = None    # "hadamard" when calibrated on rotated K/V
+    skip_layers: list | None = None  # layers the calibration chose to keep in BF16
 
 
 def _warn_once(msg: str) -> None:
@@ -100,7 +109,13 @@ def read_kv_scales(path: str | Path) -> KVScales | None:
     kind = src.get("type", "float")
     strategy = {"attn_head": "head"}.get(src.get("strategy", "tensor"), src.get("strategy", "tensor"))
     meta = dict(section or file_meta)
-    return KVScales(kind, strategy, k, v, str(path), meta)
+    rotation = src.get("rotation") or None
+    rotation = None if rotation == "none" else rotation
+    skip = src.get("skip_layers")
+    if isinstance(skip, str):  # safetensors metadata holds strings: "3,7" / "sliding_window,3"
+        skip = [x for x in skip.replace(",", " ").split()]
+    skip = [int(x) if str(x).isdigit() else x for x in skip] if skip else None
+    return KVScales(kind, strategy, k, v, str(path), meta, rotation, skip)
 
 
 def _check(scales: KVScales, specs: list[LayerSpec]) -> None:
@@ -112,7 +127,12 @@ def _check(scales: KVScales, specs: list[LayerSpec]) -> None:
                          f"but the model has {n} layers")
     for spec in specs:
         for name, t in (("k_scale", scales.k[spec.layer_idx]), ("v_scale", scales.v[spec.layer_idx])):
-            if t.numel() not in (1, spec.num_kv_heads):
+            if scales.strategy == "channel":
+                if t.numel() != spec.num_kv_heads * spec.head_dim:
+                    raise ValueError(f"layer {spec.layer_idx} {name} in {scales.source} has {t.numel()} values "
+                                     f"but per-channel scales need num_kv_heads x head_dim = "
+                                     f"{spec.num_kv_heads} x {spec.head_dim}")
+            elif t.numel() not in (1, spec.num_kv_heads):
                 raise ValueError(f"layer {spec.layer_idx} {name} in {scales.source} has {t.numel()} values "
                                  f"but the model has {spec.num_kv_heads} kv heads (expected 1 or {spec.num_kv_heads})")
             bad = [x for x in t.tolist() if not (math.isfinite(x) and x > 0)]
@@ -121,9 +141,61 @@ def _check(scales: KVScales, specs: list[LayerSpec]) -> None:
                                  f"scales must be finite and > 0")
 
 
+KV_ROTATION_CHOICES = ("auto", "none", "hadamard")
+
+
+def _load(model_path: Path, kv_scales: str | None) -> KVScales | None:
+    scales = read_kv_scales(kv_scales) if kv_scales is not None else read_kv_scales(model_path)
+    if kv_scales is not None and scales is None:
+        raise ValueError(f"--kv-scales {kv_scales} holds no k_scale/v_scale tensors")
+    return scales
+
+
+def _rotation(requested: str | None, scales: KVScales | None) -> str | None:
+    """``--kv-rotation``: ``auto`` follows the scales; an explicit value must agree with them."""
+    requested = requested or "auto"
+    if requested not in KV_ROTATION_CHOICES:
+        raise ValueError(f"--kv-rotation must be one of {', '.join(KV_ROTATION_CHOICES)}, got {requested!r}")
+    if scales is None:
+        return None if requested in ("auto", "none") else requested
+    if requested == "auto":
+        return scales.rotation
+    want = None if requested == "none" else requested
+    if want != scales.rotation:
+        have = scales.rotation or "none"
+        raise ValueError(f"scales in {scales.source} were calibrated with --kv-rotation {have} "
+                         f"({scales.strategy} strategy) but --kv-rotation {requested} was asked for: scales only fit "
+                         f"the basis they were measured in; drop the flag or recalibrate with "
+                         f"`qkv calibrate --kv-rotation {requested}`")
+    return want
+
+
+def resolve_kv_cache(layout: list[dict], model_path: Path, kv_cache_dtype: str, model_dtype: torch.dtype,
+                     kv_scales: str | None = None, skip_layers=None, rotation: str | None = "auto",
+                     ) -> tuple[list[LayerSpec], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Every layer's cache spec and static scales, from the flags and what the checkpoint carries.
+
+    A statically scaled dtype reads the checkpoint's scales first, because they
+    decide the defaults: ``--kv-rotation auto`` takes their rotation and, when no
+    ``--kv-cache-dtype-skip-layers`` is given, their auto-skip layers apply.
+    """
+    from .kernels.quant import resolve_cache_dtype
+    from .layer_specs import build_layer_specs
+
+    dt = resolve_cache_dtype(kv_cache_dtype, model_dtype)
+    scales = _load(model_path, kv_scales) if dt.quantized and not dt.dynamic else None
+    rot = _rotation(rotation, scales)
+    if skip_layers is None and scales is not None and scales.skip_layers:
+        skip_layers = scales.skip_layers
+        logger.info("keeping layers %s in BF16, as chosen at calibration (%s)", skip_layers, scales.source)
+    specs = build_layer_specs(layout, kv_cache_dtype, model_dtype, skip_layers, rot)
+    return specs, resolve_scales(specs, model_path, kv_scales, kv_cache_dtype, scales)
+
+
 def resolve_scales(specs: list[LayerSpec], model_path: Path, kv_scales: str | None,
-                   kv_cache_dtype: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Static scales per quantized layer, as ``{layer_idx: (k_scale, v_scale)}`` (fp32, ``[1]`` or ``[Hkv]``).
+                   kv_cache_dtype: str, scales: KVScales | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Static scales per quantized layer, as ``{layer_idx: (k_scale, v_scale)}`` (fp32 ``[1]``, ``[Hkv]``
+    or per channel ``[Hkv, D]``).
 
     ``--kv-scales`` wins over scales the model checkpoint carries. Uncalibrated
     fp8 falls back to scale 1.0 with a warning, as vLLM does; static int8 has
@@ -133,9 +205,8 @@ def resolve_scales(specs: list[LayerSpec], model_path: Path, kv_scales: str | No
     if not static:
         return {}
     want = static[0].dtype.kind
-    scales = read_kv_scales(kv_scales) if kv_scales is not None else read_kv_scales(model_path)
-    if kv_scales is not None and scales is None:
-        raise ValueError(f"--kv-scales {kv_scales} holds no k_scale/v_scale tensors")
+    if scales is None:
+        scales = _load(model_path, kv_scales)
     if scales is None:
         if want == "int":
             raise ValueError(
@@ -151,4 +222,7 @@ def resolve_scales(specs: list[LayerSpec], model_path: Path, kv_scales: str | No
                          f"{kv_cache_dtype}; recalibrate with `qkv calibrate --kv-cache-dtype "
                          f"{'int8' if want == 'int' else 'fp8'}`")
     _check(scales, specs)
+    if scales.strategy == "channel":
+        return {s.layer_idx: (scales.k[s.layer_idx].reshape(s.num_kv_heads, s.head_dim),
+                              scales.v[s.layer_idx].reshape(s.num_kv_heads, s.head_dim)) for s in static}
     return {s.layer_idx: (scales.k[s.layer_idx], scales.v[s.layer_idx]) for s in static}

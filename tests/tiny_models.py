@@ -27,6 +27,7 @@ _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 
 CONFIGS = {
     "llama": dict(model_type="llama", head_dim=16),
+    "llama_hd48": dict(model_type="llama", head_dim=48, num_attention_heads=2, num_key_value_heads=1),
     "qwen3": dict(model_type="qwen3", head_dim=16),
     "qwen2": dict(model_type="qwen2"),
     "mistral": dict(model_type="mistral", sliding_window=24, head_dim=16),
