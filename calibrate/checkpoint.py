@@ -6,6 +6,10 @@
   ``[num_kv_heads]`` per head) in ``kv_cache_scales.safetensors``.
 * int8: vLLM has no static int8 KV cache, so the scales go in qkv's own section
   ``config.json["qkv_kv_cache"]`` and ``qkv_kv_scales.safetensors``.
+* qkv extensions (``channel`` scales, ``rotation: hadamard``): also only the qkv
+  section, for fp8 too, because vLLM would load such scales without applying
+  them correctly. Auto-skip's layers are recorded in the qkv section; an
+  otherwise plain fp8 checkpoint keeps its compressed-tensors block.
 
 The weights are hard-linked (copied across filesystems), copied or symlinked,
 never changed; ``model.safetensors.index.json`` lists them (and the fp8 scales)
@@ -114,10 +118,24 @@ def attention_prefixes(weight_names, num_layers: int) -> dict[int, str]:
 def _scale_tensors(cal: Calibration, prefixes: dict[int, str]) -> dict[str, torch.Tensor]:
     out = {}
     for r in cal.layers:
-        shape = (r.num_kv_heads,) if cal.strategy == "head" else (1,)
+        shape = {"head": (r.num_kv_heads,), "channel": (r.num_kv_heads, -1)}.get(cal.strategy, (1,))
         out[f"{prefixes[r.layer]}.k_scale"] = r.k_scale.to(torch.float32).reshape(shape).contiguous()
         out[f"{prefixes[r.layer]}.v_scale"] = r.v_scale.to(torch.float32).reshape(shape).contiguous()
     return out
+
+
+def vllm_readable(cal: Calibration) -> bool:
+    """fp8 with tensor/head scales and no rotation: exactly what compressed-tensors can describe."""
+    return cal.kind == "float" and cal.strategy in ("tensor", "head") and not cal.rotation
+
+
+def qkv_section(cal: Calibration, scales_file: str) -> dict:
+    return {"type": cal.kind, "num_bits": 8, "strategy": cal.strategy, "symmetric": True,
+            "dynamic": False, "rotation": cal.rotation or "none", "skip_layers": list(cal.skip_layers or []),
+            "scales_file": scales_file, "scale_dtype": "float32",
+            "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"
+                                + ("; on Hadamard-rotated K/V" if cal.rotation else ""),
+            "format_version": 2, "vllm_readable": vllm_readable(cal), "calibration": CALIBRATION_FILE}
 
 
 def _config(src_config: dict, cal: Calibration) -> dict:
@@ -127,27 +145,52 @@ def _config(src_config: dict, cal: Calibration) -> dict:
     if qc and qc.get("quant_method") != "compressed-tensors":
         raise ValueError(f"{cal.model}: its weights are quantized with {qc.get('quant_method')!r}; "
                          f"calibrate the unquantized model")
-    if cal.kind == "float":
+    if vllm_readable(cal):
         cfg["quantization_config"] = quantization_config(cal.strategy, qc)
+        if cal.skip_layers:
+            cfg[QKV_SECTION] = qkv_section(cal, FP8_SCALES_FILE)
         return cfg
-    if qc:  # int8: a stale fp8 kv_cache_scheme must not survive
+    if qc:  # int8 / extensions: a stale fp8 kv_cache_scheme must not survive
         qc = dict(qc, kv_cache_scheme=None)
         if qc.get("config_groups"):
             cfg["quantization_config"] = qc
         else:
             cfg.pop("quantization_config")
-    cfg[QKV_SECTION] = {"type": "int", "num_bits": 8, "strategy": cal.strategy, "symmetric": True,
-                        "dynamic": False, "scales_file": QKV_SCALES_FILE, "scale_dtype": "float32",
-                        "scale_convention": "q = x / scale; scale = amax / 127", "format_version": 1,
-                        "calibration": CALIBRATION_FILE}
+    cfg[QKV_SECTION] = qkv_section(cal, QKV_SCALES_FILE)
     return cfg
+
+
+def write_scales_file(cal: Calibration, path: str | Path) -> Path:
+    """Only the scales, as one self-describing ``.safetensors`` file (``--kv-scales FILE``)."""
+    path = Path(path)
+    tensors = _scale_tensors(cal, {r.layer: f"model.layers.{r.layer}.self_attn" for r in cal.layers})
+    strategy = "attn_head" if cal.strategy == "head" and vllm_readable(cal) else cal.strategy
+    meta = {"format": "pt", "type": cal.kind, "num_bits": "8", "strategy": strategy,
+            "rotation": cal.rotation or "none", "skip_layers": ",".join(map(str, cal.skip_layers or [])),
+            "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"}
+    save_file(tensors, str(path), metadata=meta)
+    return path
 
 
 def _file_meta(cal: Calibration, config: dict) -> dict[str, str]:
     """The scales file describes itself, so ``--kv-scales FILE`` works without the directory."""
-    block = config[QKV_SECTION] if cal.kind == "int" else config["quantization_config"]["kv_cache_scheme"]
+    block = config[QKV_SECTION] if not vllm_readable(cal) else config["quantization_config"]["kv_cache_scheme"]
     return {"format": "pt", "type": cal.kind, "num_bits": "8", "strategy": block["strategy"],
+            "rotation": cal.rotation or "none", "skip_layers": ",".join(map(str, cal.skip_layers or [])),
             "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"}
+
+
+def vllm_note(cal: Calibration) -> str:
+    """Why vLLM cannot use these scales as they are (empty when it can)."""
+    if cal.kind == "int":
+        return "vLLM has no static int8 KV cache; it loads these weights but not the int8 scales"
+    if cal.rotation:
+        return ("the scales are of Hadamard-rotated K/V, a qkv extension: vLLM cannot rotate its cache, "
+                "so these scales are qkv-only")
+    if cal.strategy == "channel":
+        return ("per-channel scales are a qkv extension; `qkv export-vllm` reduces them to per-head "
+                "(attn_head) scales vLLM reads")
+    return ""
 
 
 def write_checkpoint(cal: Calibration, out: str | Path, weights: str = "link", overwrite: bool = False) -> Path:
@@ -175,14 +218,17 @@ def write_checkpoint(cal: Calibration, out: str | Path, weights: str = "link", o
     clash = sorted(set(tensors) & set(weight_map))
     if clash:
         raise ValueError(f"{src}: already has tensors named {clash[0]}")
-    if cal.kind == "float":
+    if vllm_readable(cal):
         save_file(tensors, str(out / FP8_SCALES_FILE), metadata=_file_meta(cal, config))
         weight_map.update({n: FP8_SCALES_FILE for n in tensors})
         output = {"format": "compressed-tensors", "scales_file": FP8_SCALES_FILE, "vllm_readable": True}
+        if cal.skip_layers:
+            output["note"] = (f"serve with vLLM as --kv-cache-dtype-skip-layers "
+                              f"{' '.join(map(str, cal.skip_layers))} (auto-skip's choice; vLLM does not read it)")
     else:
         save_file(tensors, str(out / QKV_SCALES_FILE), metadata=_file_meta(cal, config))
         output = {"format": f"qkv ({QKV_SECTION})", "scales_file": QKV_SCALES_FILE, "vllm_readable": False,
-                  "note": "vLLM has no static int8 KV cache; it loads these weights but not the int8 scales"}
+                  "note": vllm_note(cal)}
     size = sum((out / n).stat().st_size for n in set(weight_map.values()))
     (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": size},
                                               "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")

@@ -29,7 +29,7 @@ def calibration_record(cal: Calibration, output: dict | None = None) -> dict:
     dt = cal.kv_dtype
     info = dict(cal.samples_info)
     return {
-        "qkv_calibration_version": 1,
+        "qkv_calibration_version": 2,
         "model": cal.model,
         "model_path": str(cal.model_path),
         "model_dtype": cal.model_dtype,
@@ -45,6 +45,9 @@ def calibration_record(cal: Calibration, output: dict | None = None) -> dict:
         "kv_cache_dtype": dt.name,
         "qmax": dt.qmax,
         "strategy": cal.strategy,
+        "rotation": cal.rotation or "none",
+        "skip_layers": list(cal.skip_layers or []),
+        "auto_skip": cal.sensitivity,
         "scale_convention": f"q = x / scale; scale = amax / {dt.qmax:g}",
         "observed": "K after RoPE (and k_norm), V as projected: the tensors the paged cache stores",
         "versions": versions(),
@@ -82,6 +85,7 @@ def summary_table(cal: Calibration) -> str:
     if cal.observer.get("percentile") is not None:
         obs += f" (P{cal.observer['percentile']:g})"
     src = cal.samples_info.get("source", "?")
-    lines.append(f"{cal.model}: {cal.kv_dtype.name} / {cal.strategy} / {obs}; {cal.num_samples} samples, "
+    rot = f" / rotation {cal.rotation}" if cal.rotation else ""
+    lines.append(f"{cal.model}: {cal.kv_dtype.name} / {cal.strategy}{rot} / {obs}; {cal.num_samples} samples, "
                  f"{cal.num_tokens:,} tokens ({src}); {cal.wall_time_s:.1f} s")
     return "\n".join(lines)

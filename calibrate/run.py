@@ -28,18 +28,19 @@ __all__ = ["Calibration", "LayerResult", "calibrate", "observe", "load_engine", 
 
 logger = logging.getLogger("qkv")
 
-STRATEGIES = ("tensor", "head")
+STRATEGIES = ("tensor", "head", "channel")
+ROTATIONS = ("none", "hadamard")
 
 
 @dataclass
 class LayerResult:
     layer: int
     num_kv_heads: int
-    k_amax: torch.Tensor          # clipping threshold actually used, [1] or [H]
+    k_amax: torch.Tensor          # clipping threshold actually used, [1], [H] or [H, D]
     v_amax: torch.Tensor
     k_scale: torch.Tensor         # fp32 amax / qmax
     v_scale: torch.Tensor
-    k_observed_amax: torch.Tensor  # the true absmax, [1] or [H]
+    k_observed_amax: torch.Tensor  # the true absmax, same shape
     v_observed_amax: torch.Tensor
     k_clip_rate: float
     v_clip_rate: float
@@ -62,6 +63,9 @@ class Calibration:
     seed: int
     wall_time_s: float = 0.0
     observe_time_s: float = 0.0
+    rotation: str | None = None        # "hadamard": scales of rotated K/V (qkv extension)
+    skip_layers: list[int] | None = None   # auto-skip's choice of BF16 layers
+    sensitivity: dict | None = None    # auto-skip's per-layer measurements
     date: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"))
 
@@ -70,10 +74,13 @@ class Calibration:
         return self.kv_dtype.kind  # "float" (fp8) or "int" (int8)
 
 
-def resolve_target(kv_cache_dtype: str, strategy: str) -> CacheDtype:
+def resolve_target(kv_cache_dtype: str, strategy: str, observer: str = "minmax") -> CacheDtype:
     """The cache dtype scales are calibrated for: static fp8 (e4m3) or int8."""
     if strategy not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if strategy == "channel" and observer != "minmax":
+        raise ValueError(f"--strategy channel takes --observer minmax only (got {observer}): the statistics "
+                         f"keep an exact absmax per channel, not a histogram")
     dt = resolve_cache_dtype(kv_cache_dtype)
     if dt.name not in ("fp8_e4m3", "int8"):
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: calibration makes static scales for fp8 "
@@ -94,20 +101,35 @@ def load_engine(model: str, dtype: str = "auto", num_blocks: int = 64, device: s
 
 
 def observe(engine, chunks: list[list[int]], reservoir: int = 0, seed: int = 0,
-            progress: bool = True) -> dict[tuple[int, str], TensorStats]:
-    """Statistics of every layer's K and V over ``chunks``, keyed ``(layer, "k" | "v")``."""
+            progress: bool = True, rotations: tuple[str, ...] = ("none",),
+            ) -> dict[tuple[int, str], TensorStats] | dict[str, dict[tuple[int, str], TensorStats]]:
+    """Statistics of every layer's K and V over ``chunks``, keyed ``(layer, "k" | "v")``.
+
+    With several ``rotations`` one pass fills one set per rotation (returned as
+    ``{rotation: stats}``): a ``hadamard`` set sees ``hadamard_rotate(K)``, exactly
+    the fp32 values the rotated cache write quantizes.
+    """
+    from qkv.kernels.quant import check_rotation, hadamard_rotate
     from qkv.scoring import prefill_logits
 
-    stats: dict[tuple[int, str], TensorStats] = {}
-    for spec in engine.layer_specs:
-        for j, kind in enumerate("kv"):
-            stats[spec.layer_idx, kind] = TensorStats(spec.num_kv_heads, reservoir,
-                                                      seed=seed * 100003 + 2 * spec.layer_idx + j)
+    for r in rotations:
+        if r not in ROTATIONS:
+            raise ValueError(f"--kv-rotation must be one of {', '.join(ROTATIONS)}, got {r!r}")
+        for spec in engine.layer_specs:
+            check_rotation(r, spec.head_dim)
+    sets: dict[str, dict[tuple[int, str], TensorStats]] = {r: {} for r in rotations}
+    for stats in sets.values():
+        for spec in engine.layer_specs:
+            for j, kind in enumerate("kv"):
+                stats[spec.layer_idx, kind] = TensorStats(spec.num_kv_heads, reservoir,
+                                                          seed=seed * 100003 + 2 * spec.layer_idx + j)
 
     def observer(layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         with single_thread():
-            stats[layer_idx, "k"].update(key)
-            stats[layer_idx, "v"].update(value)
+            for r, stats in sets.items():
+                k, v = (hadamard_rotate(key), hadamard_rotate(value)) if r == "hadamard" else (key, value)
+                stats[layer_idx, "k"].update(k)
+                stats[layer_idx, "v"].update(v)
 
     bar = _progress(len(chunks), progress)
     for chunk in chunks:
@@ -117,7 +139,7 @@ def observe(engine, chunks: list[list[int]], reservoir: int = 0, seed: int = 0,
         prefill_logits(engine, chunk, observer=observer, keep_logits=False)
         bar.update(1)
     bar.close()
-    return stats
+    return sets[rotations[0]] if len(rotations) == 1 else sets
 
 
 def _progress(total: int, enabled: bool):
@@ -144,6 +166,10 @@ def choose_scales(stats: dict[tuple[int, str], TensorStats], observer: Observer,
         res = {}
         for kind in "kv":
             s = stats[layer, kind]
+            if strategy == "channel":  # minmax per channel: nothing is clipped
+                amax = s.channel_absmax()
+                res[kind] = (amax, scales_from_amax(amax, dt), amax.clone(), 0.0)
+                continue
             with single_thread():
                 amax = observer.amax(s, per_head, dt).to(torch.float32)
             scale = scales_from_amax(amax, dt)
@@ -157,7 +183,8 @@ def choose_scales(stats: dict[tuple[int, str], TensorStats], observer: Observer,
 def calibrate(model: str, samples: Samples | None = None, raw=None, *, kv_cache_dtype: str = "fp8",
               strategy: str = "tensor", observer: str = "minmax", percentile: float | None = None,
               num_samples: int = 64, seq_len: int = 512, seed: int = 0, packing: str = "auto",
-              dtype: str = "auto", device: str | None = None, progress: bool = True) -> Calibration:
+              dtype: str = "auto", device: str | None = None, progress: bool = True,
+              rotation: str = "none") -> Calibration:
     """Calibrate ``model``'s KV scales.
 
     Give either ready ``samples`` (token chunks), or ``raw`` rows from
@@ -165,7 +192,7 @@ def calibrate(model: str, samples: Samples | None = None, raw=None, *, kv_cache_
     data-free calibration on text the model generates itself.
     """
     t0 = time.perf_counter()
-    dt = resolve_target(kv_cache_dtype, strategy)
+    dt = resolve_target(kv_cache_dtype, strategy, observer)
     obs = make_observer(observer, percentile)
     from .data import build_samples
     from .selfgen import GEN_BATCH, generate_samples
@@ -188,11 +215,13 @@ def calibrate(model: str, samples: Samples | None = None, raw=None, *, kv_cache_
         else:
             samples = generate_samples(llm, num_samples, seq_len, seed, progress)
     t1 = time.perf_counter()
-    stats = observe(engine, samples.chunks, reservoir=obs.reservoir, seed=seed, progress=progress)
+    stats = observe(engine, samples.chunks, reservoir=obs.reservoir, seed=seed, progress=progress,
+                    rotations=(rotation,))
     layers = choose_scales(stats, obs, dt, strategy)
     t2 = time.perf_counter()
     return Calibration(model=model, model_path=engine.model_path, kv_dtype=dt, strategy=strategy,
                        observer=obs.describe(), layers=layers, samples_info=samples.info,
                        num_samples=len(samples.chunks), num_tokens=samples.num_tokens,
                        model_dtype=str(engine.dtype).replace("torch.", ""), seed=seed,
-                       wall_time_s=t2 - t0, observe_time_s=t2 - t1)
+                       wall_time_s=t2 - t0, observe_time_s=t2 - t1,
+                       rotation=None if rotation == "none" else rotation)

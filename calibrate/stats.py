@@ -3,7 +3,8 @@
 Every observer works from these, so the K/V are seen once however the scale is
 chosen afterwards:
 
-* ``amax`` -- the exact running absmax per head (fp32);
+* ``amax`` -- the exact running absmax per head (fp32), and ``amax_channel`` per
+  (head, channel) for qkv's per-channel strategy;
 * ``hist`` -- a histogram of ``|x|`` per head, 256 bins per octave from 2^-24 to
   2^24 (bins 0.2-0.4 % wide relative to their value; smaller values share an
   underflow bin, larger ones the top bin); it gives percentiles and clip rates;
@@ -67,6 +68,7 @@ class TensorStats:
     def __init__(self, num_heads: int, reservoir: int = 0, seed: int = 0) -> None:
         self.num_heads = num_heads
         self.amax = torch.zeros(num_heads, dtype=torch.float32)
+        self.amax_channel: torch.Tensor | None = None  # [H, D], sized by the first update
         self.hist = torch.zeros(num_heads, NUM_BINS, dtype=torch.int64)
         self.count = 0  # elements seen per head
         self.reservoir_size = reservoir
@@ -79,11 +81,14 @@ class TensorStats:
     def update(self, x: torch.Tensor) -> None:
         if x.dim() != 3 or x.shape[1] != self.num_heads:
             raise ValueError(f"expected a [T, {self.num_heads}, D] tensor, got {tuple(x.shape)}")
-        a = x.detach().to("cpu", torch.float32).abs().transpose(0, 1).reshape(self.num_heads, -1)
+        ax = x.detach().to("cpu", torch.float32).abs()
+        a = ax.transpose(0, 1).reshape(self.num_heads, -1)
         if not bool(torch.isfinite(a).all()):
             raise ValueError("observed K/V contain inf or NaN: the model overflows in this dtype "
                              "(try --dtype float32)")
         self.amax = torch.maximum(self.amax, a.amax(dim=1))
+        ch = ax.amax(dim=0) if ax.shape[0] else torch.zeros(ax.shape[1:])
+        self.amax_channel = ch if self.amax_channel is None else torch.maximum(self.amax_channel, ch)
         self.count += a.shape[1]
         offs = torch.arange(self.num_heads).unsqueeze(1) * NUM_BINS
         flat = (_bin_index(a) + offs).reshape(-1)
@@ -123,6 +128,12 @@ class TensorStats:
     def absmax(self, per_head: bool) -> torch.Tensor:
         """``[H]`` per head, ``[1]`` over the whole tensor."""
         return self.amax.clone() if per_head else self.amax.max().reshape(1)
+
+    def channel_absmax(self) -> torch.Tensor:
+        """``[H, D]``: the absmax of every channel of every head."""
+        if self.amax_channel is None:
+            raise ValueError("no values observed")
+        return self.amax_channel.clone()
 
     def quantile(self, q: float, per_head: bool) -> torch.Tensor:
         """Smallest ``t`` with a fraction ``q`` of ``|x|`` at or below it (interpolated within its bin)."""

@@ -49,6 +49,20 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
+    g = p.add_argument_group("search", "--search: calibrate and evaluate the dtype x strategy x rotation grid "
+                                       "(replaces --configs) and recommend the smallest KV footprint within "
+                                       "--max-ppl-delta")
+    g.add_argument("--search", action="store_true")
+    g.add_argument("--search-dtypes", default="fp8,int8", help="static dtypes of the grid (default fp8,int8)")
+    g.add_argument("--search-strategies", default="tensor,head,channel")
+    g.add_argument("--search-rotations", default="none,hadamard")
+    g.add_argument("--no-search-dynamic", dest="search_dynamic", action="store_false",
+                   help="leave fp8/int8_per_token_head out of the grid")
+    g.add_argument("--calib-dataset", default=None,
+                   help="calibration text for the grid's scales (default: the WikiText-2 validation split)")
+    g.add_argument("--calib-samples", type=int, default=64)
+    g.add_argument("--calib-seq-len", type=int, default=None,
+                   help="tokens per calibration sample (default: --window, so every evaluated position is seen)")
 
 
 def _command(args: argparse.Namespace, kwargs: dict) -> str:
@@ -70,11 +84,42 @@ def _command(args: argparse.Namespace, kwargs: dict) -> str:
     return shlex.join(parts + ["--report", args.report])
 
 
+def _search(args: argparse.Namespace, eval_args) -> int:
+    from .search import SearchArgs, run_search
+
+    def split(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+    search = SearchArgs(split(args.search_dtypes), split(args.search_strategies), split(args.search_rotations),
+                        args.search_dynamic, args.calib_dataset, args.calib_samples, args.calib_seq_len)
+    extra = ["--search", "--search-dtypes", ",".join(search.dtypes), "--search-strategies",
+             ",".join(search.strategies), "--search-rotations", ",".join(search.rotations),
+             "--calib-samples", str(search.calib_samples)]
+    extra += ["--calib-seq-len", str(search.calib_seq_len)] if search.calib_seq_len else []
+    extra += [] if search.dynamic else ["--no-search-dynamic"]
+    extra += ["--calib-dataset", search.calib_dataset] if search.calib_dataset else []
+    eval_args.command = f"{eval_args.command} {shlex.join(extra)}"
+    _, rec, code = run_search(eval_args, search)
+    best = rec["recommended"]
+    for row in rec["ranked"]:
+        lo, hi = row["ppl_delta_pct_ci95"]
+        print(f"  {row['config']:<36} {row['kv_bytes_per_token']:>7,} B/token  ppl {row['ppl_delta_pct']:+.3f}% "
+              f"[{lo:+.3f}, {hi:+.3f}]  {'within' if row['within_budget'] else 'over'} budget")
+    if best:
+        print(f"recommended: {best['config']} ({best['kv_bytes_per_token']:,} B/token, ppl "
+              f"{best['ppl_delta_pct']:+.3f}%)")
+    else:
+        print(f"no configuration is within --max-ppl-delta {rec['max_ppl_delta_pct']:g}%")
+    print(f"report: {args.report}/search.md, report.html, report.md, report.json")
+    return code
+
+
 def main_eval(args: argparse.Namespace) -> int:
     from .run import EvalArgs, run_eval
     fields = EvalArgs.__dataclass_fields__
     kwargs = {k: v for k, v in vars(args).items() if k in fields and k != "command"}
     kwargs["command"] = _command(args, kwargs)
+    if args.search:
+        return _search(args, EvalArgs(**kwargs))
     r, code = run_eval(EvalArgs(**kwargs))
     from .report import verdict_lines
     print("\n".join(verdict_lines(r)))

@@ -2,7 +2,7 @@
 
 Grammar of one configuration (configurations are separated by commas)::
 
-    DTYPE[:SCALES_DIR][+skip=LAYERS]
+    DTYPE[:SCALES_DIR][+rot=ROTATION][+skip=LAYERS]
 
 * ``DTYPE`` is any ``--kv-cache-dtype`` of the engine: ``bf16``/``bfloat16``/``auto``,
   ``fp8`` (= ``fp8_e4m3``), ``fp8_e5m2``, ``int8`` (needs scales),
@@ -10,7 +10,10 @@ Grammar of one configuration (configurations are separated by commas)::
 * ``SCALES_DIR`` is a calibrated checkpoint directory or scales file
   (``qkv calibrate -o``), passed to the engine as ``kv_scales``.
 * ``LAYERS`` are ``sliding_window`` and/or layer indices separated by ``/`` or
-  ``;`` (a comma would end the configuration), e.g. ``+skip=sliding_window/0/17``.
+  ``;`` (a comma would end the configuration), e.g. ``+skip=sliding_window/0/17``;
+  ``+skip=none`` quantizes every layer even when the checkpoint records auto-skip layers.
+* ``ROTATION`` is ``hadamard`` or ``none`` (qkv's ``--kv-rotation``); without it the
+  engine follows the scales (``auto``), so a rotated checkpoint needs no modifier.
 
 The first configuration is the baseline. Labels are the configuration strings
 with the scales directory shortened to its last path component, so they stay
@@ -27,7 +30,7 @@ from qkv.kernels.quant import CACHE_DTYPE_NAMES, resolve_cache_dtype
 
 __all__ = ["EvalConfig", "parse_config", "parse_configs", "ConfigError"]
 
-_SKIP = re.compile(r"^(?P<head>.*?)\+skip=(?P<layers>[^+]*)$")
+_MODIFIER = re.compile(r"\+(skip|rot)=([^+]*)")
 
 
 def _cd(name: str):
@@ -43,15 +46,19 @@ class EvalConfig:
     spec: str                      # the string as given
     kv_cache_dtype: str            # canonical engine name (fp8 -> fp8_e4m3, bf16 -> bfloat16)
     scales: str | None = None      # kv_scales for the engine
-    skip_layers: tuple = field(default_factory=tuple)  # ("sliding_window", 3, ...)
+    skip_layers: tuple | None = None  # ("sliding_window", 3, ...); () = explicitly none; None = engine default
+    rotation: str = "auto"         # engine kv_rotation: auto (follow the scales) | none | hadamard
 
     @property
     def label(self) -> str:
         out = {"bfloat16": "bf16", "fp8_e4m3": "fp8"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.scales:
-            out += ":" + Path(self.scales).name
-        if self.skip_layers:
-            out += "+skip=" + "/".join(str(s) for s in self.skip_layers)
+            p = Path(self.scales)
+            out += ":" + (p.stem if p.suffix == ".safetensors" else p.name)
+        if self.rotation != "auto":
+            out += "+rot=" + self.rotation
+        if self.skip_layers is not None:
+            out += "+skip=" + ("/".join(str(s) for s in self.skip_layers) or "none")
         return out
 
     @property
@@ -64,11 +71,12 @@ class EvalConfig:
 
     def engine_kwargs(self) -> dict:
         return {"kv_cache_dtype": self.kv_cache_dtype, "kv_scales": self.scales,
-                "kv_cache_dtype_skip_layers": list(self.skip_layers) or None}
+                "kv_cache_dtype_skip_layers": None if self.skip_layers is None else list(self.skip_layers),
+                "kv_rotation": self.rotation}
 
     def to_json(self) -> dict:
         return {"spec": self.spec, "label": self.label, "kv_cache_dtype": self.kv_cache_dtype,
-                "scales": self.scales, "skip_layers": list(self.skip_layers)}
+                "scales": self.scales, "skip_layers": list(self.skip_layers or []), "rotation": self.rotation}
 
 
 def _dtype(name: str, spec: str) -> str:
@@ -83,6 +91,8 @@ def _dtype(name: str, spec: str) -> str:
 
 
 def _layers(text: str, spec: str) -> tuple:
+    if text.strip() == "none":
+        return ()
     parts = [p.strip() for p in re.split(r"[/;]", text) if p.strip()]
     if not parts:
         raise ConfigError(f"configuration {spec!r}: '+skip=' needs layers (sliding_window and/or indices "
@@ -104,12 +114,22 @@ def parse_config(spec: str) -> EvalConfig:
     text = spec.strip()
     if not text:
         raise ConfigError("empty configuration in --configs")
-    skip: tuple = ()
-    m = _SKIP.match(text)
-    if m:
-        text, skip = m.group("head"), _layers(m.group("layers"), spec)
-    elif "+" in text:
-        raise ConfigError(f"unknown configuration {spec!r}: the only modifier is '+skip=LAYERS'")
+    skip: tuple | None = None
+    rotation = "auto"
+    head, _, mods = text.partition("+")
+    mods = "+" + mods if mods else ""
+    found = _MODIFIER.findall(mods)
+    if "".join(f"+{k}={v}" for k, v in found) != mods:
+        raise ConfigError(f"unknown configuration {spec!r}: the modifiers are '+rot=hadamard|none' and "
+                          f"'+skip=LAYERS'")
+    for key, val in found:
+        if key == "skip":
+            skip = _layers(val, spec)
+        elif val.strip() in ("hadamard", "none"):
+            rotation = val.strip()
+        else:
+            raise ConfigError(f"configuration {spec!r}: rotation {val!r} is neither 'hadamard' nor 'none'")
+    text = head
     name, _, scales = text.partition(":")
     dtype = _dtype(name.strip().lower(), spec)
     scales = scales.strip() or None
@@ -118,9 +138,9 @@ def parse_config(spec: str) -> EvalConfig:
             raise ConfigError(f"configuration {spec!r}: {dtype} takes no static scales")
         if not Path(scales).exists():
             raise ConfigError(f"configuration {spec!r}: scales {scales} do not exist")
-    if skip and not _cd(dtype).quantized:
+    if skip is not None and not _cd(dtype).quantized:
         raise ConfigError(f"configuration {spec!r}: skipping layers only makes sense for a quantized cache")
-    return EvalConfig(spec.strip(), dtype, scales, skip)
+    return EvalConfig(spec.strip(), dtype, scales, skip, rotation)
 
 
 def parse_configs(text: str | list[str]) -> list[EvalConfig]:

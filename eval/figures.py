@@ -39,8 +39,9 @@ def ppl_delta_figure(accuracy: dict, baseline: str, max_ppl_delta: float | None 
         return _png(fig)
     y = list(range(len(labels)))[::-1]
     d = [accuracy[k]["ppl_delta_pct"] for k in labels]
-    lo = [accuracy[k]["ppl_delta_pct"] - accuracy[k]["ppl_delta_pct_ci95"][0] for k in labels]
-    hi = [accuracy[k]["ppl_delta_pct_ci95"][1] - accuracy[k]["ppl_delta_pct"] for k in labels]
+    # a percentile interval from few windows may not contain the point estimate: clamp the bars at 0
+    lo = [max(accuracy[k]["ppl_delta_pct"] - accuracy[k]["ppl_delta_pct_ci95"][0], 0.0) for k in labels]
+    hi = [max(accuracy[k]["ppl_delta_pct_ci95"][1] - accuracy[k]["ppl_delta_pct"], 0.0) for k in labels]
     ax.errorbar(d, y, xerr=[lo, hi], fmt="o", color="tab:blue", ecolor="tab:blue", capsize=5, ms=7)
     for yi, di in zip(y, d):
         ax.annotate(f"{di:+.2f}%", (di, yi), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=9)

@@ -59,6 +59,10 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     out.append((f"Accuracy ({r['setup']['num_windows']} windows x {r['setup']['window']} tokens, "
                 f"{r['setup']['dataset']}; KL and top-1 against {base})",
                 ["config", "ppl", "Δppl %", "95% CI", "KL mean", "KL p99", "top-1 %", "verdict"], rows))
+    rows = [[c["label"], c.get("cache", ""), " ".join(map(str, c.get("unquantized_layers", []))) or "-"]
+            for c in r["configs"]]
+    out.append(("KV cache per configuration (layers kept in the model dtype: skip flags or a checkpoint's auto-skip)",
+                ["config", "cache layers", "unquantized layers"], rows))
     rows = []
     for label, m in r["memory"].items():
         b = r["memory"][base]

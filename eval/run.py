@@ -111,12 +111,19 @@ def _check_lengths(engines: dict, args: EvalArgs) -> None:
 def _build_engines(configs: list[EvalConfig], args: EvalArgs) -> dict:
     from qkv.llm import LLM
     engines = {}
+    shared = None  # one copy of the weights for every configuration
     for c in configs:
         logger.info("loading %s", c.label)
-        llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+        llm = LLM(args.model, preloaded_model=shared, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                   max_model_len=args.max_model_len, device=args.device, seed=args.seed, **c.engine_kwargs())
         engines[c.label] = llm.llm_engine
+        shared = llm.llm_engine.model
     return engines
+
+
+def _unquantized(engine) -> list[int]:
+    """Layers kept in the model dtype (skip flags, or a checkpoint's auto-skip choice)."""
+    return [s.layer_idx for s in engine.layer_specs if not s.dtype.quantized]
 
 
 def _validate(args: EvalArgs) -> None:
@@ -180,7 +187,9 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
         "model": {**model, "dtype": str(first.dtype).replace("torch.", ""),
                   "num_layers": len(first.layer_specs), "max_model_len": first.max_model_len},
         "baseline": base,
-        "configs": [{**c.to_json(), "cache": engines[c.label].cache.dtype_summary()} for c in configs],
+        "configs": [{**c.to_json(), "cache": engines[c.label].cache.dtype_summary(),
+                     "unquantized_layers": _unquantized(engines[c.label]) if c.quantized else []}
+                    for c in configs],
         "setup": {"dataset": text.name, "dataset_source": text.source, "dataset_sha256": text.sha256,
                   "dataset_file_sha256": text.file_sha256, "num_windows": args.num_windows,
                   "window": args.window, "scored_tokens_per_window": len(windows[0]) - 1,

@@ -103,5 +103,5 @@ def layer_ranges(engine, scales_dir: str | None) -> dict | None:
     for layer in engine.cache.layers:
         quantized = layer.spec.dtype.quantized and not layer.spec.dtype.dynamic
         for which, t in (("k", layer.k_scale), ("v", layer.v_scale)):
-            out[which].append([float(x) * layer.spec.dtype.qmax for x in t.tolist()] if quantized else None)
+            out[which].append([float(x) * layer.spec.dtype.qmax for x in t.reshape(-1).tolist()] if quantized else None)
     return out

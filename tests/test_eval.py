@@ -260,6 +260,14 @@ def test_config_grammar():
     assert [c.label for c in cs] == ["bf16", "fp8", "int8_per_token_head", "fp8+skip=sliding_window/0/3"]
     assert cs[3].engine_kwargs()["kv_cache_dtype_skip_layers"] == ["sliding_window", 0, 3]
     assert cs[1].engine_kwargs()["kv_cache_dtype"] == "fp8_e4m3"
+    assert cs[1].engine_kwargs()["kv_cache_dtype_skip_layers"] is None  # the engine (checkpoint) decides
+    cs = parse_configs("fp8_per_token_head+rot=hadamard+skip=2,int8_per_token_head+skip=none+rot=none")
+    assert [c.label for c in cs] == ["fp8_per_token_head+rot=hadamard+skip=2", "int8_per_token_head+rot=none+skip=none"]
+    assert [(c.engine_kwargs()["kv_rotation"], c.engine_kwargs()["kv_cache_dtype_skip_layers"]) for c in cs] == \
+           [("hadamard", [2]), ("none", [])]
+    for bad in ("fp8+rot=givens", "fp8+skip=1+bogus=2", "fp8+bogus"):
+        with pytest.raises(ValueError):
+            parse_configs(bad)
 
 
 def test_skip_sliding_window_on_tiny_gemma(tiny_dir, text_file, tmp_path):

@@ -1,0 +1,172 @@
+"""Automatic skip-layer selection: the fewest layers kept in BF16 so that the model meets a ppl budget.
+
+``qkv calibrate ... --auto-skip --max-ppl-delta 0.2%`` runs this after the scales
+are chosen, on held-out calibration windows (chunks of the same dataset that
+the scales never saw):
+
+1. **Sensitivity.** One layer at a time is quantized with the new scales, every
+   other layer stays BF16, and each window's logits are compared with the
+   all-BF16 cache: the perplexity change and the mean per-token KL.
+2. **Selection.** Layers are ranked by KL (most sensitive first; KL is never
+   negative, so it ranks more stably than a small ppl change). For k = 0, 1, 2,
+   ... the top k stay BF16 and all the others are quantized, and the *combined*
+   ppl change is measured; the first k within the budget wins. Per-layer errors
+   do not add up exactly, so the combination is measured, not estimated.
+
+Everything runs through the paged engine (write-then-attend), swapping the cache
+layout between passes with :meth:`qkv.engine.LLMEngine.replace_kv_cache`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from qkv.model_loader import attention_layout
+from qkv.scoring import prefill_logits
+
+from .run import Calibration
+
+__all__ = ["select_skip_layers", "plot_sensitivity", "FIGURE_FILE"]
+
+logger = logging.getLogger("qkv")
+FIGURE_FILE = "sensitivity.png"
+
+
+def _scales(cal: Calibration) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    out = {}
+    for r in cal.layers:
+        k, v = r.k_scale.to(torch.float32), r.v_scale.to(torch.float32)
+        if cal.strategy != "channel":
+            k, v = k.reshape(-1), v.reshape(-1)
+        out[r.layer] = (k, v)
+    return out
+
+
+class _Scorer:
+    """Held-out windows through one engine, with the cache layout swapped per configuration."""
+
+    def __init__(self, engine, cal: Calibration, windows: list[list[int]]) -> None:
+        from qkv.layer_specs import build_layer_specs
+
+        self.engine, self.cal, self.windows = engine, cal, windows
+        self.layout = attention_layout(engine.model)
+        self.all_layers = [d["layer_idx"] for d in self.layout]
+        self.scales = _scales(cal)
+        self._build = build_layer_specs
+        self.base_nll: list[float] = []
+        self.num_tokens = sum(len(w) - 1 for w in windows)
+
+    def use(self, quantized: set[int]) -> None:
+        skip = [i for i in self.all_layers if i not in quantized] or None
+        specs = self._build(self.layout, self.cal.kv_dtype.name, self.engine.dtype, skip, self.cal.rotation)
+        self.engine.replace_kv_cache(specs, {i: s for i, s in self.scales.items() if i in quantized})
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        return prefill_logits(self.engine, ids)[:-1]
+
+    def ppl_delta(self, nll: float) -> float:
+        base = sum(self.base_nll)
+        return 100.0 * (math.exp((nll - base) / self.num_tokens) - 1.0)
+
+
+def select_skip_layers(engine, cal: Calibration, windows: list[list[int]], max_ppl_delta: float,
+                       progress: bool = True) -> dict:
+    """Measure per-layer sensitivity on ``windows`` and choose the BF16 layers; returns the record.
+
+    ``engine`` must have an unquantized cache (calibration's own engine does) and
+    be idle; its cache is left all-BF16 afterwards.
+    """
+    from qkv.eval.accuracy import token_metrics
+
+    from .run import _progress
+
+    if not windows:
+        raise ValueError("--auto-skip needs held-out windows (--heldout-samples >= 1)")
+    sc = _Scorer(engine, cal, windows)
+    n_layers = len(sc.all_layers)
+    nll = {i: 0.0 for i in sc.all_layers}
+    kl = {i: 0.0 for i in sc.all_layers}
+    bar = _progress(len(windows) * (n_layers + 1), progress)
+    for ids in windows:
+        targets = torch.tensor(ids[1:], dtype=torch.long)
+        sc.use(set())
+        base = sc.logits(ids)
+        sc.base_nll.append(_nll(base, ids))
+        bar.update(1)
+        for i in sc.all_layers:
+            sc.use({i})
+            n, k, _ = token_metrics(base, sc.logits(ids), targets)
+            nll[i] += float(n.sum())
+            kl[i] += float(k.sum())
+            bar.update(1)
+    bar.close()
+    layers = [{"layer": i, "ppl_delta_pct": sc.ppl_delta(nll[i]), "kl_mean": kl[i] / sc.num_tokens}
+              for i in sc.all_layers]
+    ranking = [d["layer"] for d in sorted(layers, key=lambda d: (-d["kl_mean"], d["layer"]))]
+
+    search = []
+    chosen: list[int] = list(ranking)
+    for k in range(n_layers + 1):
+        keep = sorted(ranking[:k])
+        if k == n_layers:
+            delta = 0.0  # every layer BF16: the baseline itself
+        else:
+            sc.use(set(sc.all_layers) - set(keep))
+            delta = sc.ppl_delta(sum(_nll(sc.logits(w), w) for w in windows))
+        search.append({"skip_layers": keep, "ppl_delta_pct": delta})
+        logger.info("auto-skip: %d layer(s) in BF16 %s -> ppl %+.3f%%", k, keep, delta)
+        if delta <= max_ppl_delta:
+            chosen = keep
+            break
+    sc.use(set())
+    return {"max_ppl_delta_pct": max_ppl_delta, "metric_for_ranking": "kl_mean",
+            "heldout": {"windows": len(windows), "tokens": sc.num_tokens,
+                        "window_len": max(len(w) for w in windows)},
+            "baseline_nll_per_token": sum(sc.base_nll) / sc.num_tokens,
+            "layers": layers, "ranking": ranking, "search": search, "skip_layers": chosen,
+            "ppl_delta_pct": search[-1]["ppl_delta_pct"]}
+
+
+def _nll(logits: torch.Tensor, ids: list[int], rows: int = 256) -> float:
+    """Summed next-token NLL, the same formula as :func:`qkv.eval.accuracy.token_metrics`."""
+    targets = torch.tensor(ids[1:], dtype=torch.long)
+    total = 0.0
+    for s in range(0, logits.shape[0], rows):
+        lq = torch.log_softmax(logits[s:s + rows].float(), dim=-1)
+        total += float(-lq.gather(1, targets[s:s + rows, None]).double().sum())
+    return total
+
+
+def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
+    """Per-layer KL and ppl change (kept layers highlighted) and the selection curve, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = record["layers"]
+    keep = set(record["skip_layers"])
+    idx = [d["layer"] for d in layers]
+    colors = ["tab:red" if i in keep else "tab:blue" for i in idx]
+    fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(9, 9), constrained_layout=True)
+    a1.bar(idx, [max(d["kl_mean"], 1e-9) for d in layers], color=colors)
+    a1.set_yscale("log")
+    a1.set_ylabel("mean KL (one layer quantized)")
+    a1.set_title(f"{title}: red = kept in BF16 ({len(keep)} of {len(layers)})")
+    a2.bar(idx, [d["ppl_delta_pct"] for d in layers], color=colors)
+    a2.axhline(0, color="black", lw=0.5)
+    a2.set_ylabel("ppl change % (one layer)")
+    a2.set_xlabel("layer")
+    ks = list(range(len(record["search"])))
+    a3.plot(ks, [s["ppl_delta_pct"] for s in record["search"]], "o-")
+    a3.axhline(record["max_ppl_delta_pct"], color="tab:red", ls="--", label="budget")
+    a3.set_xlabel("layers kept in BF16 (most sensitive first)")
+    a3.set_ylabel("ppl change % (all others quantized)")
+    a3.legend()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
