@@ -9,7 +9,8 @@ Registered as ``qkv``::
 ``model_args``: ``pretrained`` (registry name or HF directory), ``dtype``,
 ``kv_cache_dtype``, ``kv_scales``, ``kv_cache_dtype_skip_layers`` (``sliding_window``
 and/or indices separated by ``/`` or ``;``, since commas separate model args),
-``kv_cache_memory``, ``max_length``, ``max_gen_toks``, ``add_bos_token``, ``device``.
+``kv_rotation`` (``auto``/``none``/``hadamard``), ``kv_cache_memory``, ``max_length``, ``max_gen_toks``,
+``add_bos_token``, ``device``.
 
 Log-likelihoods are computed like lm-eval's ``hf`` model (same tokenization,
 same left truncation to ``max_length + 1`` tokens, same rolling windows), but the
@@ -58,7 +59,7 @@ def parse_skip(value) -> list | None:
 
 class QKVLM(TemplateLM):
     def __init__(self, pretrained: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
-                 kv_scales: str | None = None, kv_cache_dtype_skip_layers=None,
+                 kv_scales: str | None = None, kv_cache_dtype_skip_layers=None, kv_rotation: str = "auto",
                  kv_cache_memory: str = "512MiB", max_length: int | None = None, max_gen_toks: int = 256,
                  add_bos_token: bool | None = None, device: str | None = None, batch_size=1,
                  max_model_len: int | None = None, seed: int = 1234, **kwargs) -> None:
@@ -69,7 +70,7 @@ class QKVLM(TemplateLM):
             device = None  # lm-eval's CLI passes device="cuda" by default; the engine picks cuda or cpu
         self.llm = LLM(str(pretrained), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                        kv_scales=kv_scales or None, kv_cache_dtype_skip_layers=parse_skip(kv_cache_dtype_skip_layers),
-                       kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, device=device)
+                       kv_rotation=kv_rotation or "auto", kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, device=device)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.engine.tokenizer
         self._max_length = int(max_length) if max_length else self.engine.max_model_len

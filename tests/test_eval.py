@@ -206,7 +206,7 @@ def test_compare_unit_latency_flags_warn_only():
 
 # -- bad input: clear errors, no report left behind --------------------------------------------------
 @pytest.mark.parametrize("configs,msg", [("bf16,fp9", "unknown configuration 'fp9'"),
-                                         ("bf16,fp8+foo=1", "the only modifier is '+skip=LAYERS'"),
+                                         ("bf16,fp8+foo=1", "the modifiers are '+rot=hadamard|none' and '+skip=LAYERS'"),
                                          ("bf16,fp8:/no/such/dir", "do not exist"),
                                          ("bf16,fp8+skip=x", "neither 'sliding_window' nor a layer index")])
 def test_unknown_config_is_a_clear_error(llama, tmp_path, capsys, configs, msg):
