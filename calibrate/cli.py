@@ -164,7 +164,11 @@ def run_export(args: argparse.Namespace) -> int:
     out, notes = export_vllm(args.src, args.output, weights=args.weights, overwrite=args.overwrite)
     for n in notes:
         print(f"note: {n}")
-    print(f"wrote {out}: compressed-tensors fp8 KV scales (vLLM: `vllm serve {out} --kv-cache-dtype fp8`)")
+    from qkv.scales import read_kv_scales
+    written = read_kv_scales(out)
+    skip = written.skip_layers if written else None
+    flags = f" --kv-cache-dtype-skip-layers {' '.join(map(str, skip))}" if skip else ""
+    print(f"wrote {out}: compressed-tensors fp8 KV scales (vLLM: `vllm serve {out} --kv-cache-dtype fp8{flags}`)")
     return 0
 
 

@@ -180,6 +180,18 @@ def test_export_vllm(ckpts, tmp_path):
             assert torch.equal(fh.get_tensor(f"model.layers.{r.layer}.self_attn.v_scale"), r.v_scale)
 
 
+def test_export_vllm_cli_prints_the_skip_flags(ckpts, tmp_path, capsys):
+    cal, _ = ckpts["fp8", "tensor", "none"]
+    cal.skip_layers = [2]
+    src = write_checkpoint(cal, tmp_path / "skip2")
+    cal.skip_layers = None
+    assert main(["export-vllm", str(src), "-o", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 2`" in printed
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["qkv_kv_cache"]["skip_layers"] == [2]
+    assert main(["export-vllm", str(ckpts["int8", "head", "hadamard"][1]), "-o", str(tmp_path / "x")]) == 2
+
+
 def _ppl_delta(engine_q, engine_b, windows):
     def nll(e):
         tot = 0.0
