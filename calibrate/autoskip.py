@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from qkv.layer_specs import build_layer_specs
 from qkv.model_loader import attention_layout
 from qkv.scoring import prefill_logits
 
@@ -50,19 +51,16 @@ class _Scorer:
     """Held-out windows through one engine, with the cache layout swapped per configuration."""
 
     def __init__(self, engine, cal: Calibration, windows: list[list[int]]) -> None:
-        from qkv.layer_specs import build_layer_specs
-
         self.engine, self.cal, self.windows = engine, cal, windows
         self.layout = attention_layout(engine.model)
         self.all_layers = [d["layer_idx"] for d in self.layout]
         self.scales = _scales(cal)
-        self._build = build_layer_specs
         self.base_nll: list[float] = []
         self.num_tokens = sum(len(w) - 1 for w in windows)
 
     def use(self, quantized: set[int]) -> None:
         skip = [i for i in self.all_layers if i not in quantized] or None
-        specs = self._build(self.layout, self.cal.kv_dtype.name, self.engine.dtype, skip, self.cal.rotation)
+        specs = build_layer_specs(self.layout, self.cal.kv_dtype.name, self.engine.dtype, skip, self.cal.rotation)
         self.engine.replace_kv_cache(specs, {i: s for i, s in self.scales.items() if i in quantized})
 
     def logits(self, ids: list[int]) -> torch.Tensor:

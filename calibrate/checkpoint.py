@@ -163,19 +163,14 @@ def _config(src_config: dict, cal: Calibration) -> dict:
 def write_scales_file(cal: Calibration, path: str | Path) -> Path:
     """Only the scales, as one self-describing ``.safetensors`` file (``--kv-scales FILE``)."""
     path = Path(path)
-    tensors = _scale_tensors(cal, {r.layer: f"model.layers.{r.layer}.self_attn" for r in cal.layers})
-    strategy = "attn_head" if cal.strategy == "head" and vllm_readable(cal) else cal.strategy
-    meta = {"format": "pt", "type": cal.kind, "num_bits": "8", "strategy": strategy,
-            "rotation": cal.rotation or "none", "skip_layers": ",".join(map(str, cal.skip_layers or [])),
-            "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"}
-    save_file(tensors, str(path), metadata=meta)
+    save_file(_scale_tensors(cal, attention_prefixes([], len(cal.layers))), str(path), metadata=_file_meta(cal))
     return path
 
 
-def _file_meta(cal: Calibration, config: dict) -> dict[str, str]:
+def _file_meta(cal: Calibration) -> dict[str, str]:
     """The scales file describes itself, so ``--kv-scales FILE`` works without the directory."""
-    block = config[QKV_SECTION] if not vllm_readable(cal) else config["quantization_config"]["kv_cache_scheme"]
-    return {"format": "pt", "type": cal.kind, "num_bits": "8", "strategy": block["strategy"],
+    strategy = "attn_head" if cal.strategy == "head" and vllm_readable(cal) else cal.strategy
+    return {"format": "pt", "type": cal.kind, "num_bits": "8", "strategy": strategy,
             "rotation": cal.rotation or "none", "skip_layers": ",".join(map(str, cal.skip_layers or [])),
             "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"}
 
@@ -219,14 +214,14 @@ def write_checkpoint(cal: Calibration, out: str | Path, weights: str = "link", o
     if clash:
         raise ValueError(f"{src}: already has tensors named {clash[0]}")
     if vllm_readable(cal):
-        save_file(tensors, str(out / FP8_SCALES_FILE), metadata=_file_meta(cal, config))
+        save_file(tensors, str(out / FP8_SCALES_FILE), metadata=_file_meta(cal))
         weight_map.update({n: FP8_SCALES_FILE for n in tensors})
         output = {"format": "compressed-tensors", "scales_file": FP8_SCALES_FILE, "vllm_readable": True}
         if cal.skip_layers:
             output["note"] = (f"serve with vLLM as --kv-cache-dtype-skip-layers "
                               f"{' '.join(map(str, cal.skip_layers))} (auto-skip's choice; vLLM does not read it)")
     else:
-        save_file(tensors, str(out / QKV_SCALES_FILE), metadata=_file_meta(cal, config))
+        save_file(tensors, str(out / QKV_SCALES_FILE), metadata=_file_meta(cal))
         output = {"format": f"qkv ({QKV_SECTION})", "scales_file": QKV_SCALES_FILE, "vllm_readable": False,
                   "note": vllm_note(cal)}
     size = sum((out / n).stat().st_size for n in set(weight_map.values()))

@@ -114,16 +114,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
         samples = Samples(both.chunks[:args.num_samples], dict(both.info, num_samples=args.num_samples,
                                                                heldout_samples=args.heldout_samples))
         heldout = both.chunks[args.num_samples:]
+    llm = None
+    if budget is not None:  # one engine (unquantized cache) observes and then scores the held-out chunks
+        from .run import load_engine
+        llm = load_engine(args.model, args.dtype, num_blocks=-(-args.seq_len // 16) + 2, device=args.device,
+                          max_num_batched_tokens=max(2048, args.seq_len))
     cal = calibrate(args.model, samples=samples, raw=None if samples else raw,
                     kv_cache_dtype=args.kv_cache_dtype, strategy=args.strategy,
                     observer=args.observer, percentile=args.percentile, num_samples=args.num_samples,
                     seq_len=args.seq_len, seed=args.seed, packing=args.packing, dtype=args.dtype,
-                    device=args.device, progress=args.progress, rotation=args.kv_rotation)
+                    device=args.device, progress=args.progress, rotation=args.kv_rotation, llm=llm)
     if budget is not None:
         from .autoskip import select_skip_layers
-        from .run import load_engine
-        llm = load_engine(args.model, args.dtype, num_blocks=-(-args.seq_len // 16) + 2, device=args.device,
-                          max_num_batched_tokens=max(2048, args.seq_len))
         cal.sensitivity = select_skip_layers(llm.llm_engine, cal, heldout, budget, args.progress)
         cal.skip_layers = cal.sensitivity["skip_layers"]
     cal.wall_time_s = time.perf_counter() - t0  # dataset loading included

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from qkv.kernels.quant import CacheDtype, resolve_cache_dtype
+from qkv.kernels.quant import ROTATIONS, CacheDtype, resolve_cache_dtype
 
 from .data import Samples
 from .observers import Observer, make_observer, scales_from_amax
@@ -29,7 +29,6 @@ __all__ = ["Calibration", "LayerResult", "calibrate", "observe", "load_engine", 
 logger = logging.getLogger("qkv")
 
 STRATEGIES = ("tensor", "head", "channel")
-ROTATIONS = ("none", "hadamard")
 
 
 @dataclass
@@ -184,7 +183,7 @@ def calibrate(model: str, samples: Samples | None = None, raw=None, *, kv_cache_
               strategy: str = "tensor", observer: str = "minmax", percentile: float | None = None,
               num_samples: int = 64, seq_len: int = 512, seed: int = 0, packing: str = "auto",
               dtype: str = "auto", device: str | None = None, progress: bool = True,
-              rotation: str = "none") -> Calibration:
+              rotation: str = "none", llm=None) -> Calibration:
     """Calibrate ``model``'s KV scales.
 
     Give either ready ``samples`` (token chunks), or ``raw`` rows from
@@ -203,8 +202,9 @@ def calibrate(model: str, samples: Samples | None = None, raw=None, *, kv_cache_
         seq_len = max(len(c) for c in samples.chunks)
     blocks_per_seq = -(-seq_len // 16) + 1
     batch = GEN_BATCH if samples is None and raw is None else 1
-    llm = load_engine(model, dtype, num_blocks=batch * blocks_per_seq + 2, device=device,
-                      max_num_batched_tokens=max(2048, seq_len))
+    if llm is None:  # auto-skip hands in its engine, so the model is loaded once for both
+        llm = load_engine(model, dtype, num_blocks=batch * blocks_per_seq + 2, device=device,
+                          max_num_batched_tokens=max(2048, seq_len))
     engine = llm.llm_engine
     max_pos = getattr(engine.hf_config, "max_position_embeddings", None)
     if max_pos and seq_len > max_pos:

@@ -64,11 +64,11 @@ class EngineConfig:
     DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither memory nor num_blocks is given
 
     def validate(self) -> None:
-        from .kernels.quant import resolve_cache_dtype
+        from .kernels.quant import ROTATIONS, resolve_cache_dtype
         resolve_cache_dtype(self.kv_cache_dtype)  # unknown dtype: fail before loading anything
         parse_skip_layers(self.kv_cache_dtype_skip_layers)
-        if self.kv_rotation not in ("auto", "none", "hadamard"):
-            raise ValueError(f"kv_rotation must be auto, none or hadamard, got {self.kv_rotation!r}")
+        if self.kv_rotation not in ("auto", *ROTATIONS):
+            raise ValueError(f"kv_rotation must be one of auto, {', '.join(ROTATIONS)}; got {self.kv_rotation!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .kernels.quant import ROTATIONS
 from .kv_cache import LayerSpec
 
 __all__ = ["KVScales", "read_kv_scales", "resolve_scales", "resolve_kv_cache", "QKV_SECTION", "QKV_SCALES_FILE",
@@ -141,7 +142,7 @@ def _check(scales: KVScales, specs: list[LayerSpec]) -> None:
                                  f"scales must be finite and > 0")
 
 
-KV_ROTATION_CHOICES = ("auto", "none", "hadamard")
+KV_ROTATION_CHOICES = ("auto", *ROTATIONS)
 
 
 def _load(model_path: Path, kv_scales: str | None) -> KVScales | None:

@@ -274,3 +274,20 @@ def test_eval_search_recommends_the_smallest_within_budget(llama, tmp_path, caps
     assert [r["config"] for r in rec["ranked"]] in (["fp8", "int8:int8-tensor-hadamard"],
                                                    ["int8:int8-tensor-hadamard", "fp8"])
     assert main(args + ["--search-dtypes", "int4"]) == 2  # no budget and a bad grid: clear errors
+
+
+def test_saturation_counts(llama, tmp_path):
+    from qkv.eval.saturation import count_saturation
+    from qkv.scales import read_kv_scales
+    windows = _chunks(2, 40, seed=11)
+    cal = calibrate(llama, samples=Samples(windows), kv_cache_dtype="int8", strategy="channel", progress=False)
+    exact = read_kv_scales(write_scales_file(cal, tmp_path / "exact.safetensors"))  # minmax on these very windows
+    for r in cal.layers:
+        r.k_scale = r.k_scale / 4
+    tight = read_kv_scales(write_scales_file(cal, tmp_path / "tight.safetensors"))
+    engine = load_engine(llama, num_blocks=8).llm_engine
+    got = count_saturation(engine, windows, {"exact": exact, "tight": tight}, split_at=20)
+    assert got["values_per_tensor"] == 2 * 3 * 40 * 2 * 16  # windows x layers x tokens x kv heads x head_dim
+    assert got["sources"]["exact"] == {"k": 0, "v": 0, "k_at_or_past_split": 0, "v_at_or_past_split": 0}
+    t = got["sources"]["tight"]
+    assert t["v"] == 0 and t["k"] > 0 and 0 < t["k_at_or_past_split"] < t["k"]
