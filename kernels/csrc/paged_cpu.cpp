@@ -1,0 +1,442 @@
+// qkv CPU kernels: quantized cache write and fused paged attention over 8-bit blocks.
+//
+// Semantics are those of kernels/reference.py (the readable specification); the Python
+// launcher is kernels/cpu_attention.py. Two properties drive the design:
+//
+// * The 8-bit blocks are read in place. Attention dequantizes one 16-token block of K and V
+//   into an fp32 tile (exact bit tricks for fp8, no table, no per-sequence copy of the
+//   context) and reuses it for every query row of the work item (GQA group x query tile).
+// * Row invariance. Every output row is computed by the same sequence of floating-point
+//   operations whatever else is in the batch: key blocks are visited in order of absolute
+//   position, each row only touches the keys it can see, and reductions run in a fixed
+//   order inside one thread. So chunked prefill, prefix-cache hits, preemption and batch
+//   composition cannot change a single bit of a row's output, and the cache bytes written
+//   for a token depend only on that token's K/V.
+//
+// The cache write is bit-exact with the reference (torch's float8 / int8 / bf16 casts).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+
+enum DType : int32_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, I8 = 5 };
+enum ScaleMode : int32_t { SCALE_NONE = 0, SCALE_HEAD = 1, SCALE_CHANNEL = 2, SCALE_DYNAMIC = 3 };
+
+// One layer's paged cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] (strides in elements).
+struct CacheDesc {
+  void* data;
+  int64_t stride_block, stride_kv, stride_slot, stride_head;
+  float* scale_cache;  // dynamic modes: [num_blocks, 2, block_size, num_kv_heads] fp32
+  int64_t s_stride_block, s_stride_kv, s_stride_slot;
+  const float* k_scale;  // static: [Hkv] (SCALE_HEAD) or [Hkv, D] (SCALE_CHANNEL)
+  const float* v_scale;
+  int32_t dtype, scale_mode, block_size, num_kv_heads, head_dim, rotate;
+  float rot_norm, qmax;
+};
+
+struct WriteArgs {
+  CacheDesc cache;
+  const void* key;
+  const void* value;
+  const int64_t* slot_mapping;
+  int64_t num_tokens, stride_kt, stride_kh, stride_vt, stride_vh;
+  int32_t in_dtype, num_threads;
+};
+
+struct AttnArgs {
+  CacheDesc cache;
+  const void* query;
+  void* out;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int64_t stride_qt, stride_qh, stride_ot, stride_oh, stride_bt;
+  int32_t q_dtype, num_q_heads, num_seqs, window, q_tile, num_threads;
+  float sm_scale;
+};
+
+// ------------------------------------------------------------------ scalar conversions --
+static inline float bits_f32(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+static inline uint32_t f32_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
+
+static inline float f16_to_f32(uint16_t h) {
+  // fp16 bits shifted into fp32 position, times 2^112: exact for normals and subnormals.
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, rest = h & 0x7fff;
+  if (rest >= 0x7c00) return bits_f32(sign | 0x7f800000u | ((rest & 0x3ff) << 13));
+  float mag = bits_f32(rest << 13) * 0x1p112f;
+  return sign ? -mag : mag;
+}
+
+static inline float load_f32(const void* p, int64_t i, int32_t dtype) {
+  switch (dtype) {
+    case F32: return static_cast<const float*>(p)[i];
+    case BF16: return bits_f32((uint32_t) static_cast<const uint16_t*>(p)[i] << 16);
+    default: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN -> 0xffff like torch's vectorized cast
+  if (std::isnan(f)) return 0xffff;
+  uint32_t b = f32_bits(f);
+  return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t f32_to_f16(float f) {
+  _Float16 h = (_Float16)f;  // IEEE round-to-nearest-even
+  uint16_t b; std::memcpy(&b, &h, 2); return b;
+}
+
+static inline void store_f32(void* p, int64_t i, float v, int32_t dtype) {
+  switch (dtype) {
+    case F32: static_cast<float*>(p)[i] = v; break;
+    case BF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
+    default: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
+  }
+}
+
+// fp32 -> fp8, round to nearest even, NaN -> 0x7f|sign (e4m3) / 0x7f (e5m2); callers saturate first.
+static inline uint8_t f32_to_e4m3(float f) {
+  uint32_t b = f32_bits(f), sign = b & 0x80000000u;
+  b ^= sign;
+  uint8_t r;
+  if (b >= (1087u << 20)) {  // 480 and above (only NaN after saturation)
+    r = 0x7f;
+  } else if (b < (121u << 23)) {  // below 2^-6: subnormal grid, rounded by an fp32 add
+    const uint32_t denorm = 141u << 23;
+    r = (uint8_t)(f32_bits(bits_f32(b) + bits_f32(denorm)) - denorm);
+  } else {
+    uint32_t odd = (b >> 20) & 1u;
+    b += ((uint32_t)(7 - 127) << 23) + 0x7ffffu + odd;
+    r = (uint8_t)(b >> 20);
+  }
+  return r | (uint8_t)(sign >> 24);
+}
+
+static inline uint8_t f32_to_e5m2(float f) {
+  uint32_t b = f32_bits(f), sign = b & 0x80000000u;
+  b ^= sign;
+  uint8_t r;
+  if (b >= (143u << 23)) {
+    r = b > (255u << 23) ? 0x7f : 0x7c;
+  } else if (b < (113u << 23)) {
+    const uint32_t denorm = 134u << 23;
+    r = (uint8_t)(f32_bits(bits_f32(b) + bits_f32(denorm)) - denorm);
+  } else {
+    uint32_t odd = (b >> 21) & 1u;
+    b += ((uint32_t)(15 - 127) << 23) + 0xfffffu + odd;
+    r = (uint8_t)(b >> 21);
+  }
+  return r | (uint8_t)(sign >> 24);
+}
+
+// ------------------------------------------------------------------ vector helpers --
+static inline f32x8 splat(float x) { return (f32x8){x, x, x, x, x, x, x, x}; }
+static inline f32x8 loadv(const float* p) { f32x8 v; std::memcpy(&v, p, 32); return v; }
+static inline void storev(float* p, f32x8 v) { std::memcpy(p, &v, 32); }
+
+static inline float hsum(f32x8 v) {  // fixed tree
+  float a0 = v[0] + v[4], a1 = v[1] + v[5], a2 = v[2] + v[6], a3 = v[3] + v[7];
+  return (a0 + a2) + (a1 + a3);
+}
+
+static inline f32x8 vmax(f32x8 a, f32x8 b) { return a > b ? a : b; }
+
+// exp(x) for x <= 0 arguments of the softmax (Cephes-style range reduction + degree-6 polynomial,
+// about 1 ulp); inputs below -87 give a tiny normal number instead of 0.
+static inline f32x8 vexp(f32x8 x) {
+  x = vmax(x, splat(-87.0f));
+  x = x < splat(88.0f) ? x : splat(88.0f);
+  f32x8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  i32x8 t = __builtin_convertvector(fx, i32x8);
+  f32x8 tf = __builtin_convertvector(t, f32x8);
+  i32x8 gt = tf > fx;  // truncation rounded up a negative value: floor = t - 1
+  t = t + gt;
+  tf = __builtin_convertvector(t, f32x8);
+  x = x - tf * splat(0.693359375f) - tf * splat(-2.12194440e-4f);
+  f32x8 z = x * x;
+  f32x8 y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * z + x + splat(1.0f);
+  i32x8 e = (t + 127) << 23;
+  f32x8 pow2;
+  std::memcpy(&pow2, &e, 32);
+  return y * pow2;
+}
+
+// Decode 8 stored elements to fp32 (exact for every format).
+static inline f32x8 decode8(const void* base, int64_t i, int32_t dtype) {
+  switch (dtype) {
+    case F32: return loadv(static_cast<const float*>(base) + i);
+    case BF16: {
+      u16x8 h; std::memcpy(&h, static_cast<const uint16_t*>(base) + i, 16);
+      u32x8 b = __builtin_convertvector(h, u32x8) << 16;
+      f32x8 f; std::memcpy(&f, &b, 32); return f;
+    }
+    case F16: {
+      f32x8 f;
+      for (int k = 0; k < 8; ++k) f[k] = f16_to_f32(static_cast<const uint16_t*>(base)[i + k]);
+      return f;
+    }
+    case I8: {
+      i8x8 q; std::memcpy(&q, static_cast<const int8_t*>(base) + i, 8);
+      return __builtin_convertvector(__builtin_convertvector(q, i32x8), f32x8);
+    }
+    case E4M3: {  // low 7 bits into fp32 exponent/mantissa, times 2^120; 0x7f/0xff is NaN
+      u8x8 q; std::memcpy(&q, static_cast<const uint8_t*>(base) + i, 8);
+      u32x8 b = __builtin_convertvector(q, u32x8);
+      u32x8 rest = b & 0x7fu, sign = (b & 0x80u) << 24;
+      u32x8 nan = (u32x8)(rest == 0x7fu);
+      u32x8 bits = ((rest << 20) & ~nan) | (nan & 0x7fc00000u) | sign;
+      f32x8 f; std::memcpy(&f, &bits, 32);
+      return f * splat(0x1p120f);
+    }
+    default: {  // E5M2: low 7 bits into fp32, times 2^112; exponent 31 is inf/NaN
+      u8x8 q; std::memcpy(&q, static_cast<const uint8_t*>(base) + i, 8);
+      u32x8 b = __builtin_convertvector(q, u32x8);
+      u32x8 rest = b & 0x7fu, sign = (b & 0x80u) << 24;
+      u32x8 special = (u32x8)(rest >= 0x7cu);
+      u32x8 bits = ((rest << 21) & ~special) | (special & (0x7f800000u | ((rest & 3u) << 21))) | sign;
+      f32x8 f; std::memcpy(&f, &bits, 32);
+      return f * splat(0x1p112f);
+    }
+  }
+}
+
+// x @ H along n (a power of two): butterflies of stride 1, 2, 4, ... then one multiply,
+// the reference's exact operation order.
+static void fwht(float* x, int n, float norm) {
+  for (int h = 1; h < n; h *= 2)
+    for (int g = 0; g < n; g += 2 * h)
+      for (int i = g; i < g + h; ++i) {
+        float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+  for (int i = 0; i < n; ++i) x[i] *= norm;
+}
+
+// ------------------------------------------------------------------ cache write --
+static void quantize_row(const float* x, const float* scale, int D, bool per_channel, float qmax,
+                         int32_t dtype, void* dst, int64_t off) {
+  for (int d = 0; d < D; ++d) {
+    float s = per_channel ? scale[d] : scale[0];
+    float y = x[d];
+    switch (dtype) {
+      case F32: case BF16: case F16: store_f32(dst, off + d, y, dtype); break;
+      case I8: {
+        y = y / s;
+        int8_t q = 0;  // NaN -> 0, as torch on CPU
+        if (!std::isnan(y)) q = (int8_t)std::nearbyint(std::min(std::max(y, -qmax), qmax));
+        static_cast<int8_t*>(dst)[off + d] = q;
+        break;
+      }
+      default: {
+        y = y / s;
+        if (!std::isnan(y)) y = std::min(std::max(y, -qmax), qmax);  // saturate (__NV_SATFINITE)
+        static_cast<uint8_t*>(dst)[off + d] = dtype == E4M3 ? f32_to_e4m3(y) : f32_to_e5m2(y);
+      }
+    }
+  }
+}
+
+extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
+  const CacheDesc& c = a->cache;
+  const int D = c.head_dim, H = c.num_kv_heads;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+  for (int64_t t = 0; t < a->num_tokens; ++t) {
+    const int64_t slot = a->slot_mapping[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / c.block_size, off = slot % c.block_size;
+    std::vector<float> x(D);
+    for (int kv = 0; kv < 2; ++kv) {
+      const void* src = kv == 0 ? a->key : a->value;
+      const int64_t st = kv == 0 ? a->stride_kt : a->stride_vt, sh = kv == 0 ? a->stride_kh : a->stride_vh;
+      const float* static_scale = kv == 0 ? c.k_scale : c.v_scale;
+      for (int h = 0; h < H; ++h) {
+        const int64_t dst = block * c.stride_block + kv * c.stride_kv + off * c.stride_slot + h * c.stride_head;
+        if (!c.rotate && a->in_dtype == c.dtype) {  // same dtype, unquantized: the bytes as they are
+          const int64_t size = c.dtype == F32 ? 4 : 2;
+          std::memcpy(static_cast<char*>(c.data) + dst * size,
+                      static_cast<const char*>(src) + (t * st + h * sh) * size, D * size);
+          continue;
+        }
+        for (int d = 0; d < D; ++d) x[d] = load_f32(src, t * st + h * sh + d, a->in_dtype);
+        if (c.rotate) fwht(x.data(), D, c.rot_norm);
+        float dyn = 1.0f;
+        const float* scale = &dyn;
+        bool per_channel = false;
+        if (c.scale_mode == SCALE_DYNAMIC) {
+          float amax = 0.0f;
+          for (int d = 0; d < D; ++d) {  // NaN propagates, like torch's amax
+            const float v = std::fabs(x[d]);
+            if (std::isnan(v)) { amax = v; break; }
+            amax = std::max(amax, v);
+          }
+          dyn = std::max(amax / c.qmax, 1e-8f);
+          c.scale_cache[block * c.s_stride_block + kv * c.s_stride_kv + off * c.s_stride_slot + h] = dyn;
+        } else if (c.scale_mode == SCALE_HEAD) {
+          scale = static_scale + h;
+        } else if (c.scale_mode == SCALE_CHANNEL) {
+          scale = static_scale + (int64_t)h * D;
+          per_channel = true;
+        }
+        quantize_row(x.data(), scale, D, per_channel, c.qmax, c.dtype, c.data, dst);
+      }
+    }
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------ attention --
+// Dequantize one cached row (D values of kv head h at a slot) into fp32.
+static inline void load_cached_row(const CacheDesc& c, int64_t block, int kv, int64_t off, int h,
+                                   float* dst) {
+  const int64_t base = block * c.stride_block + kv * c.stride_kv + off * c.stride_slot + h * c.stride_head;
+  float s = 1.0f;
+  if (c.scale_mode == SCALE_DYNAMIC)
+    s = c.scale_cache[block * c.s_stride_block + kv * c.s_stride_kv + off * c.s_stride_slot + h];
+  else if (c.scale_mode == SCALE_HEAD)
+    s = (kv == 0 ? c.k_scale : c.v_scale)[h];
+  const f32x8 sv = splat(s);
+  const bool scaled = c.scale_mode == SCALE_DYNAMIC || c.scale_mode == SCALE_HEAD;
+  for (int d = 0; d < c.head_dim; d += 8) {
+    f32x8 v = decode8(c.data, base + d, c.dtype);
+    storev(dst + d, scaled ? v * sv : v);
+  }
+}
+
+static inline float dot(const float* q, const float* k, int D) {
+  f32x8 a0 = loadv(q) * loadv(k), a1 = splat(0.0f);
+  int d = 8;
+  for (; d + 8 < D; d += 16) {
+    a1 += loadv(q + d) * loadv(k + d);
+    a0 += loadv(q + d + 8) * loadv(k + d + 8);
+  }
+  if (d < D) a1 += loadv(q + d) * loadv(k + d);
+  return hsum(a0 + a1);
+}
+
+namespace {
+struct RowState {
+  float m, l;
+  int64_t lo, hi;  // visible key positions [lo, hi)
+};
+}  // namespace
+
+static void attend_item(const AttnArgs& a, int s, int kvh, int64_t tok0, int64_t ntok,
+                        std::vector<float>& work) {
+  const CacheDesc& c = a.cache;
+  const int D = c.head_dim, G = a.num_q_heads / c.num_kv_heads, BS = c.block_size;
+  const int64_t q0 = a.query_start_loc[s], q_len = a.query_start_loc[s + 1] - q0;
+  const int64_t first_pos = a.seq_lens[s] - q_len;
+  const int rows = (int)ntok * G;
+  work.resize((size_t)rows * D * 2 + (size_t)BS * D * 2 + 64);
+  float* qbuf = work.data();
+  float* acc = qbuf + (size_t)rows * D;
+  float* kbuf = acc + (size_t)rows * D;
+  float* vbuf = kbuf + (size_t)BS * D;
+  RowState st[1024];
+  const int32_t* table = a.block_tables + (int64_t)s * a.stride_bt;
+
+  for (int r = 0; r < rows; ++r) {
+    const int64_t tok = tok0 + r / G, head = (int64_t)kvh * G + r % G;
+    float* q = qbuf + (size_t)r * D;
+    for (int d = 0; d < D; ++d) q[d] = load_f32(a.query, (q0 + tok) * a.stride_qt + head * a.stride_qh + d, a.q_dtype);
+    if (c.rotate) {  // (qH).(kH) = q.k; rounded back to the query dtype like the reference
+      fwht(q, D, c.rot_norm);
+      if (a.q_dtype == BF16)
+        for (int d = 0; d < D; ++d) q[d] = bits_f32((uint32_t)f32_to_bf16(q[d]) << 16);
+      else if (a.q_dtype == F16)
+        for (int d = 0; d < D; ++d) q[d] = f16_to_f32(f32_to_f16(q[d]));
+    }
+    if (c.scale_mode == SCALE_CHANNEL)  // q . (k_q * s_k) = (q * s_k) . k_q
+      for (int d = 0; d < D; ++d) q[d] *= c.k_scale[(int64_t)kvh * D + d];
+    for (int d = 0; d < D; ++d) q[d] *= a.sm_scale;
+    std::fill(acc + (size_t)r * D, acc + (size_t)(r + 1) * D, 0.0f);
+    const int64_t pos = first_pos + tok;
+    st[r] = {-std::numeric_limits<float>::infinity(), 0.0f,
+             a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, pos + 1};
+  }
+  const int64_t lo = st[0].lo, hi = st[rows - 1].hi;
+  float sc[64] = {0.0f}, p[64];
+  for (int64_t b = lo / BS; b * BS < hi; ++b) {
+    const int64_t block = table[b], start = b * BS;
+    const int64_t j0 = std::max(start, lo), j1 = std::min(start + BS, hi);
+    for (int64_t j = j0; j < j1; ++j) {
+      load_cached_row(c, block, 0, j - start, kvh, kbuf + (j - start) * D);
+      load_cached_row(c, block, 1, j - start, kvh, vbuf + (j - start) * D);
+    }
+    for (int r = 0; r < rows; ++r) {
+      RowState& rs = st[r];
+      const int64_t a0 = std::max(start, rs.lo), a1 = std::min(start + BS, rs.hi);
+      if (a0 >= a1) continue;
+      const float* q = qbuf + (size_t)r * D;
+      float mb = -std::numeric_limits<float>::infinity();
+      for (int64_t j = a0; j < a1; ++j) {
+        sc[j - start] = dot(q, kbuf + (j - start) * D, D);
+        mb = std::max(mb, sc[j - start]);
+      }
+      const float m_new = std::max(rs.m, mb);
+      for (int k = 0; k < BS; k += 8) storev(p + k, vexp(loadv(sc + k) - splat(m_new)));
+      const float alpha = rs.m == -std::numeric_limits<float>::infinity()
+                              ? 0.0f : vexp(splat(rs.m - m_new))[0];
+      float lsum = 0.0f;
+      for (int64_t j = a0; j < a1; ++j) lsum += p[j - start];
+      rs.l = rs.l * alpha + lsum;
+      rs.m = m_new;
+      float* o = acc + (size_t)r * D;
+      for (int d = 0; d < D; d += 8) {
+        f32x8 v = loadv(o + d) * splat(alpha);
+        for (int64_t j = a0; j < a1; ++j) v += splat(p[j - start]) * loadv(vbuf + (j - start) * D + d);
+        storev(o + d, v);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t tok = tok0 + r / G, head = (int64_t)kvh * G + r % G;
+    float* o = acc + (size_t)r * D;
+    const float l = st[r].l;
+    for (int d = 0; d < D; ++d) o[d] = l == 0.0f ? 0.0f : o[d] / l;
+    if (c.scale_mode == SCALE_CHANNEL)  // sum p (v_q * s_v) = s_v * sum p v_q
+      for (int d = 0; d < D; ++d) o[d] *= c.v_scale[(int64_t)kvh * D + d];
+    if (c.rotate) fwht(o, D, c.rot_norm);
+    for (int d = 0; d < D; ++d)
+      store_f32(a.out, (q0 + tok) * a.stride_ot + head * a.stride_oh + d, o[d], a.q_dtype);
+  }
+}
+
+extern "C" int qkv_paged_attention(const AttnArgs* a) {
+  const int G = a->num_q_heads / a->cache.num_kv_heads, H = a->cache.num_kv_heads;
+  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(a->q_tile, 1024 / G));
+  if (a->cache.block_size > 64 || a->cache.head_dim % 8) return 1;
+  // Work items: (sequence, query tile, kv head).
+  std::vector<int64_t> items;
+  for (int s = 0; s < a->num_seqs; ++s) {
+    const int64_t q_len = a->query_start_loc[s + 1] - a->query_start_loc[s];
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile)
+      for (int h = 0; h < H; ++h) items.insert(items.end(), {s, t0, std::min(tile, q_len - t0), h});
+  }
+  const int64_t n = (int64_t)items.size() / 4;
+#pragma omp parallel num_threads(a->num_threads)
+  {
+    std::vector<float> work;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i)
+      attend_item(*a, (int)items[4 * i], (int)items[4 * i + 3], items[4 * i + 1], items[4 * i + 2], work);
+  }
+  return 0;
+}
