@@ -11,6 +11,7 @@ the paged kernel.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -19,12 +20,15 @@ from transformers import AttentionInterface
 
 from .kv_cache import KVCache
 
-__all__ = ["ATTN_IMPL", "StepContext", "AttentionBackend", "get_backend", "register"]
+__all__ = ["ATTN_IMPL", "ATTENTION_BACKENDS", "StepContext", "AttentionBackend", "get_backend", "register"]
 
 ATTN_IMPL = "qkv_paged"
 
+logger = logging.getLogger("qkv")
+
 
 class AttentionBackend(Protocol):
+    name: str
     write_kv_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
 
@@ -46,9 +50,15 @@ class StepContext:
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
 
+ATTENTION_BACKENDS = ("cpu", "torch", "triton")
+
+
 class _TorchBackend:
+    """The torch reference (:mod:`qkv.kernels.reference`): one SDPA call per sequence, like transformers."""
+
     def __init__(self) -> None:
         from .kernels import reference
+        self.name = "torch"
         self.write_kv_cache = reference.write_kv_cache
         self.paged_attention = reference.paged_attention
 
@@ -57,19 +67,57 @@ class _TritonBackend:
     def __init__(self) -> None:
         from .kernels.triton_attention import triton_paged_attention
         from .kernels.triton_cache_write import triton_write_kv_cache
+        self.name = "triton"
         self.write_kv_cache = triton_write_kv_cache
         self.paged_attention = triton_paged_attention
 
 
+class _CpuBackend:
+    """The fused C++ kernels (:mod:`qkv.kernels.cpu_attention`), compiled on first use."""
+
+    def __init__(self) -> None:
+        from .kernels.cpu_attention import CpuKernels
+        from .registry import default_cache_dir
+        kernels = CpuKernels.build(default_cache_dir() / "kernels")
+        self.name = "cpu"
+        self.write_kv_cache = kernels.write_kv_cache
+        self.paged_attention = kernels.paged_attention
+
+
 def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """``triton`` on CUDA and ``torch`` elsewhere, unless named explicitly."""
+    """``triton`` on CUDA; on a CPU the fused ``cpu`` kernels, or the ``torch`` reference without a compiler.
+
+    An explicitly named backend that cannot be built is an error; the default
+    falls back to the reference with one warning.
+    """
     if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return _TritonBackend()
+        from .kernels.cpu_build import KernelBuildError
+        try:
+            return _CpuBackend()
+        except KernelBuildError as e:
+            _warn_once(f"qkv: the fused CPU attention kernels could not be built ({str(e).splitlines()[0]}); "
+                       "falling back to the torch reference path (--attention-backend torch), which is slower")
+            return _TorchBackend()
     if name == "torch":
         return _TorchBackend()
     if name == "triton":
         return _TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'triton' or 'torch'")
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"--attention-backend cpu runs on the CPU only, but the device is {device}")
+        return _CpuBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

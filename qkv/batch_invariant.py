@@ -1,14 +1,21 @@
-"""Optional batch-invariant linear layers: each sequence's rows go through their own GEMM.
+"""Batch-invariant linear layers: every GEMM call has the same shape, whatever the batch.
 
-Why: the CPU bf16 GEMM (oneDNN) blocks the M dimension differently for
-different row counts, so a token's ``down_proj`` output can differ in the last
-bit depending on how many other tokens share the step (measured here: 317 of
-320 row counts give some row a different result for a 1536->576 GEMM).
-fp32 GEMMs on the same machine are row-invariant. Paged attention is already
-per-sequence, so with this mode a flattened batch computes exactly what each
-sequence would alone, and bf16 greedy outputs match ``transformers.generate``
-run prompt by prompt. It costs one GEMM per sequence instead of one per step,
-so it is off by default; the BF16 exactness tests turn it on.
+Why: a CPU GEMM's result for one row depends on how many rows share the call.
+oneDNN/MKL pick their blocking and even their algorithm from the shape: measured
+here, fp32 calls of 1-3 rows round differently from calls of 4 or more, and on CPUs
+with AMX the bf16 GEMM changes some row's last bit for 317 of 320 row counts. So
+the same request gives other bits alone than inside a batch, after a prefix-cache
+hit, or when its prefill is chunked differently, and an 8-bit cache amplifies a
+last-bit change into a different code.
+
+:class:`BatchInvariantLinear` makes the guarantee true by construction: every
+``F.linear`` runs in calls of exactly ``TILE`` rows (the last one zero-padded), so
+every row goes through the same kernel with the same blocking. Rows of one call
+are independent and the kernel treats every row position alike (checked by
+``tests/test_batch_invariant.py`` on the machine that runs the tests). Together
+with the row-invariant CPU attention (:mod:`qkv.kernels.cpu_attention`) and
+per-row elementwise ops, a request's tokens do not depend on what it is batched
+with. It costs the padding and one call per tile, so it is off by default.
 """
 
 from __future__ import annotations
@@ -17,30 +24,23 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PerSequenceLinear"]
+__all__ = ["BatchInvariantLinear", "TILE"]
+
+TILE = 32  # rows per GEMM call: a multiple of every CPU GEMM kernel's row block seen here (1-16)
 
 
-class PerSequenceLinear(TorchFunctionMode):
-    """Split every ``F.linear`` over the flattened batch at sequence boundaries.
-
-    ``segments`` are the query lengths of the step's sequences. An input with
-    another row count (the ``lm_head`` on the rows that sample, one per
-    sequence) is split row by row.
-    """
-
-    def __init__(self, segments: list[int]) -> None:
-        super().__init__()
-        self.segments = segments
-        self.total = sum(segments)
+class BatchInvariantLinear(TorchFunctionMode):
+    """Run every ``F.linear`` over the flattened rows in fixed ``[TILE, in_features]`` calls."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.linear:
             return func(*args, **kwargs)
         x = args[0]
-        rows = x.shape[-2] if x.dim() >= 2 else 1
-        sizes = self.segments if rows == self.total else [1] * rows
-        if len(sizes) <= 1:
-            return func(*args, **kwargs)
-        parts = [func(part, *args[1:], **kwargs) for part in torch.split(x, sizes, dim=-2)]
-        return torch.cat(parts, dim=-2)
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        pad = -n % TILE
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        out = torch.cat([func(tile, *args[1:], **kwargs) for tile in rows.split(TILE)])
+        return out[:n].reshape(*x.shape[:-1], out.shape[-1])

@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from .attention import AttentionBackend, StepContext
-from .batch_invariant import PerSequenceLinear
+from .batch_invariant import BatchInvariantLinear
 from .kv_cache import KVCache
 from .sampling import sample
 from .scheduler import SchedulerOutput
@@ -95,10 +95,7 @@ class ModelRunner:
         """
         idx = inp.logits_indices if logits_indices is None else list(logits_indices)
         ctx = self.context(inp, observer)
-        mode = contextlib.nullcontext()
-        if self.batch_invariant:
-            qsl = inp.query_start_loc
-            mode = PerSequenceLinear([b - a for a, b in zip(qsl, qsl[1:])])
+        mode = BatchInvariantLinear() if self.batch_invariant else contextlib.nullcontext()
         with mode:
             out = self.model(
                 input_ids=torch.tensor([inp.input_ids], device=self.device),
