@@ -22,21 +22,36 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from typing import Callable
 
 import torch
 
 from qkv.config import parse_size
 from qkv.kv_cache import bytes_per_block
-from qkv.bench import random_prompts
 from qkv.sampling import SamplingParams
 
-__all__ = ["measure_latency", "memory_metrics"]
+__all__ = ["measure_latency", "memory_metrics", "random_prompts", "rotate_order", "run_requests"]
 
 logger = logging.getLogger("qkv.eval")
 
 
-def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list]:
-    """(time until every sequence has its first token, total time, decode steps after that, outputs)."""
+def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int]) -> list[list[int]]:
+    """``n`` reproducible random prompts of ``length`` ids, with ``avoid`` (EOS) ids replaced."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+        out.append([t if t not in avoid else 3 for t in ids])
+    return out
+
+
+def run_requests(engine, prompts: list[list[int]], max_tokens: int,
+                 on_step: Callable[[], None] | None = None) -> tuple[float, float, int, list]:
+    """(time until every sequence has its first token, total time, decode steps after that, outputs).
+
+    ``on_step`` is called after every engine step (the throughput benchmark samples
+    the number of running sequences there).
+    """
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     ids = [engine.add_request(p, params) for p in prompts]
@@ -46,6 +61,8 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, floa
     steps_after = 0
     while len(done) < len(ids):
         outs = engine.step()
+        if on_step is not None:
+            on_step()
         now = time.perf_counter()
         if t_first is not None:
             steps_after += 1
@@ -58,7 +75,7 @@ def _run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, floa
     return t_first - t0, time.perf_counter() - t0, steps_after, [done[i] for i in ids]
 
 
-def _rotate(labels: list[str], r: int) -> list[str]:
+def rotate_order(labels: list[str], r: int) -> list[str]:
     """Start each repeat with another configuration, so going first (caches, warm-up) is not always one's."""
     k = r % len(labels)
     return labels[k:] + labels[:k]
@@ -83,17 +100,17 @@ def measure_latency(engines: dict, baseline: str, ttft_lengths: list[int], repea
     # warm-up: first calls allocate and trace; discard them
     warm = random_prompts(vocab, 1, 32, seed + 999, avoid)
     for label in labels:
-        _run(engines[label], warm, 2)
+        run_requests(engines[label], warm, 2)
     cold = {L: {k: [] for k in labels} for L in ttft_lengths}
     hot = {L: {k: [] for k in labels} for L in ttft_lengths}
     cached = {L: {} for L in ttft_lengths}
     for r in range(repeats):
         for L in ttft_lengths:
             prompt = random_prompts(vocab, 1, L, seed + 1000 * r + L, avoid)
-            for label in _rotate(labels, r):
-                t, _, _, _ = _run(engines[label], prompt, 1)
+            for label in rotate_order(labels, r):
+                t, _, _, _ = run_requests(engines[label], prompt, 1)
                 cold[L][label].append(t)
-                t, _, _, outs = _run(engines[label], prompt, 1)
+                t, _, _, outs = run_requests(engines[label], prompt, 1)
                 hot[L][label].append(t)
                 cached[L][label] = outs[0].num_cached_tokens
             logger.info("TTFT repeat %d, %d tokens: %s", r + 1, L, ", ".join(
@@ -102,8 +119,8 @@ def measure_latency(engines: dict, baseline: str, ttft_lengths: list[int], repea
     for r in range(repeats):
         for b in decode_batches:
             prompts = random_prompts(vocab, b, decode_prompt_len, seed + 7 + 100 * r + b, avoid)
-            for label in _rotate(labels, r):
-                t_first, total, steps, _ = _run(engines[label], prompts, decode_tokens)
+            for label in rotate_order(labels, r):
+                t_first, total, steps, _ = run_requests(engines[label], prompts, decode_tokens)
                 decode[b][label].append((total - t_first) / max(steps, 1))
             logger.info("decode repeat %d, batch %d: %s", r + 1, b, ", ".join(
                 f"{k} {1000 * decode[b][k][-1]:.1f} ms/token" for k in labels))

@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from .attention import ATTENTION_BACKENDS
+
 __all__ = ["main", "add_engine_args", "engine_kwargs"]
 
 
@@ -30,8 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable automatic prefix caching")
-    p.add_argument("--attention-backend", choices=["triton", "torch"], default=None,
-                   help="default: triton on CUDA, torch elsewhere")
+    p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
+                   help="default: triton on CUDA; on a CPU the fused cpu kernels (compiled on first use), "
+                        "or the torch reference when no C++ compiler is found")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="one GEMM per sequence, so results do not depend on the batch (slower)")
@@ -94,8 +97,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
-    run_bench(args)
+    from .eval.bench import run_bench
+    run_bench(args, engine_kwargs(args))
     return 0
 
 
@@ -122,12 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-interval", type=float, default=10.0)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("bench", help="TTFT and decode throughput: qkv vs transformers generate")
+    p = sub.add_parser("bench", help="speed of every KV-cache dtype side by side: throughput at a fixed KV "
+                                     "budget, latency vs transformers, prefix-hit TTFT")
     add_engine_args(p)
+    p.set_defaults(kv_cache_dtype="bfloat16,fp8")
+    p.add_argument("--mode", choices=["throughput", "latency", "prefix"], default="latency")
+    p.add_argument("--num-requests", type=int, default=48, help="throughput: requests submitted at once")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16],
+                   help="latency: comma-separated batch sizes")
+    p.add_argument("--prefix-len", type=int, default=2048, help="prefix: tokens of the shared prefix")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-transformers", dest="transformers", action="store_false",
+                   help="latency: leave transformers.generate out")
     p.add_argument("-o", "--output", default="bench_results/bench.json")
     p.set_defaults(func=_cmd_bench)
 

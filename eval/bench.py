@@ -1,0 +1,249 @@
+"""``qkv bench``: what an 8-bit cache buys in speed, every cache dtype measured side by side in one run.
+
+Three modes, all writing one JSON file whose ratios the README quotes:
+
+* ``throughput``: ``--num-requests`` random prompts of ``--prompt-len`` tokens, ``--output-len``
+  tokens each, submitted at once to one engine per cache dtype with the same
+  ``--kv-cache-memory``. Output tokens/s, preemptions, peak running sequences and
+  the KV budget in tokens; ratios to the first dtype (the baseline).
+* ``latency``: for each ``--batch-sizes`` entry, the time until every sequence of the
+  batch has its first token (TTFT of the batch) and the decode rate after it, in one
+  run of ``--output-len`` tokens, for every dtype and for
+  ``transformers.generate`` on the same weights and token ids; ratios to the first
+  dtype and to transformers.
+* ``prefix``: TTFT of a ``--prefix-len``-token prompt on a cold cache, then of the same
+  prefix plus 4 new tokens (a prefix-cache hit); ``cold / hit`` per dtype, and the
+  cold TTFT (a batch-1 prefill) against the baseline's.
+
+Every engine shares one copy of the weights, runs are interleaved (each repeat runs
+every dtype once, in rotating order) so drifts of the machine hit all alike, and
+the load average before and after is recorded: numbers measured on a busy machine
+say so in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from qkv.engine import LLMEngine
+from qkv.config import EngineConfig
+from qkv.sampling import SamplingParams
+
+from .configs import EvalConfig, parse_configs
+from .latency import random_prompts, rotate_order, run_requests
+
+__all__ = ["run_bench", "MODES"]
+
+MODES = ("throughput", "latency", "prefix")
+
+
+def _engines(model: str, configs: list[EvalConfig], engine_kwargs: dict) -> dict[str, LLMEngine]:
+    engines: dict[str, LLMEngine] = {}
+    shared = None
+    for cfg in configs:
+        kwargs = {**engine_kwargs, **cfg.engine_kwargs()}
+        engine = LLMEngine(EngineConfig(model=model, **kwargs), preloaded_model=shared)
+        shared = engine.model
+        engines[cfg.label] = engine
+    return engines
+
+
+def _median_ratio(values: dict[str, list[float]], base: str) -> dict[str, float]:
+    return {k: statistics.median(v) / statistics.median(values[base]) for k, v in values.items()}
+
+
+def _throughput(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -> dict:
+    prompts = random_prompts(vocab, args.num_requests, args.prompt_len, args.seed, avoid)
+    labels = list(engines)
+    runs: dict[str, list[dict]] = {k: [] for k in labels}
+    for r in range(args.repeats):
+        for label in rotate_order(labels, r):
+            engine = engines[label]
+            preempt0 = engine.scheduler.num_preemptions
+            peak = 0
+
+            def on_step(e=engine):
+                nonlocal peak
+                peak = max(peak, len(e.scheduler.running))
+
+            _, total, _, outs = run_requests(engine, prompts, args.output_len, on_step=on_step)
+            out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            runs[label].append({"seconds": total, "output_tokens_per_s": out_tokens / total,
+                                "preemptions": engine.scheduler.num_preemptions - preempt0,
+                                "peak_running": peak})
+            engine.pool.check_no_leaks()
+            print(f"throughput repeat {r + 1} {label}: {out_tokens / total:.1f} output tok/s, "
+                  f"{runs[label][-1]['preemptions']} preemptions, peak {peak} running", flush=True)
+    base = labels[0]
+    rates = {k: [x["output_tokens_per_s"] for x in v] for k, v in runs.items()}
+    ratio = _median_ratio(rates, base)
+    return {label: {"output_tokens_per_s": statistics.median(rates[label]),
+                    "ratio_to_" + base: ratio[label],
+                    "kv_budget_tokens": (engines[label].cache.num_blocks - 1) * engines[label].block_size,
+                    "kv_bytes_per_token": engines[label].kv_bytes_per_token,
+                    "runs": runs[label]} for label in labels}
+
+
+class _FirstTokenTime:
+    """A ``transformers`` streamer that notes when the first generated token arrives (the prompt comes first)."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_run(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """(TTFT of the batch, total seconds) for ``transformers.generate`` on the same token ids."""
+    ids = torch.tensor(prompts, device=model.device)
+    streamer = _FirstTokenTime()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, streamer=streamer)
+    return streamer.first - t0, time.perf_counter() - t0
+
+
+def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    first = next(iter(engines.values()))
+    hf = None
+    if args.transformers:
+        hf = AutoModelForCausalLM.from_pretrained(str(first.model_path), dtype=first.dtype,
+                                                  attn_implementation="sdpa").to(first.device).eval()
+    labels = list(engines) + (["transformers"] if hf is not None else [])
+    out: dict = {}
+    for b in args.batch_sizes:
+        ttft: dict[str, list[float]] = {k: [] for k in labels}
+        rate: dict[str, list[float]] = {k: [] for k in labels}
+        for r in range(args.repeats + 1):  # round 0 warms every engine up and is discarded
+            prompts = random_prompts(vocab, b, args.prompt_len, args.seed + 100 * r + b, avoid)
+            for label in rotate_order(labels, r):
+                if label == "transformers":
+                    t_first, total = _hf_run(hf, prompts, args.output_len)
+                else:
+                    t_first, total = run_requests(engines[label], prompts, args.output_len)[:2]
+                if r:
+                    ttft[label].append(t_first)
+                    rate[label].append(b * (args.output_len - 1) / max(total - t_first, 1e-9))
+            if r:
+                print(f"latency batch {b} repeat {r}: " + ", ".join(
+                    f"{k} TTFT {1000 * ttft[k][-1]:.0f} ms, {rate[k][-1]:.1f} tok/s" for k in labels), flush=True)
+        base = labels[0]
+        row = {}
+        for label in labels:
+            row[label] = {"ttft_ms": 1000 * statistics.median(ttft[label]),
+                          "decode_tokens_per_s": statistics.median(rate[label]),
+                          "ttft_ms_runs": [1000 * t for t in ttft[label]], "decode_tokens_per_s_runs": rate[label]}
+            row[label]["decode_ratio_to_" + base] = _median_ratio(rate, base)[label]
+            row[label]["ttft_ratio_to_" + base] = _median_ratio(ttft, base)[label]
+            if hf is not None:
+                row[label]["decode_ratio_to_transformers"] = _median_ratio(rate, "transformers")[label]
+                row[label]["ttft_ratio_to_transformers"] = _median_ratio(ttft, "transformers")[label]
+        out[f"batch_{b}"] = row
+    return out
+
+
+def _prefix(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -> dict:
+    labels = list(engines)
+    cold: dict[str, list[float]] = {k: [] for k in labels}
+    hit: dict[str, list[float]] = {k: [] for k in labels}
+    cached: dict[str, int] = {}
+    for r in range(args.repeats + 1):  # round 0 is a warm-up
+        prefix = random_prompts(vocab, 1, args.prefix_len, args.seed + 7 + r, avoid)[0]
+        suffix = random_prompts(vocab, 1, 4, args.seed + 70 + r, avoid)[0]
+        for label in rotate_order(labels, r):
+            engine = engines[label]
+            engine.pool.reset_prefix_cache()
+            t_cold = run_requests(engine, [prefix], 1)[0]
+            t_hit, _, _, outs = run_requests(engine, [prefix + suffix], 1)
+            if r:
+                cold[label].append(t_cold)
+                hit[label].append(t_hit)
+                cached[label] = outs[0].num_cached_tokens
+        if r:
+            print(f"prefix repeat {r}: " + ", ".join(
+                f"{k} cold {1000 * cold[k][-1]:.0f} ms / hit {1000 * hit[k][-1]:.1f} ms" for k in labels), flush=True)
+    base = labels[0]
+    cold_ratio = _median_ratio(cold, base)
+    return {label: {"cold_ttft_ms": 1000 * statistics.median(cold[label]),
+                    "hit_ttft_ms": 1000 * statistics.median(hit[label]),
+                    "cold_over_hit": statistics.median([c / h for c, h in zip(cold[label], hit[label])]),
+                    "cold_ttft_ratio_to_" + base: cold_ratio[label],
+                    "cached_tokens": cached[label],
+                    "cold_ttft_ms_runs": [1000 * t for t in cold[label]],
+                    "hit_ttft_ms_runs": [1000 * t for t in hit[label]]} for label in labels}
+
+
+def _kernel_build_seconds(engine: LLMEngine) -> float | None:
+    """Seconds a first call spends compiling the CPU kernels (a fresh build, timed apart from the runs)."""
+    if engine.backend.name != "cpu":
+        return None
+    from qkv.kernels.cpu_attention import CpuKernels
+
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        CpuKernels.build(Path(tmp))
+        return time.perf_counter() - t0
+
+
+def run_bench(args, engine_kwargs: dict) -> dict:
+    """Run ``args.mode`` for every dtype in ``args.kv_cache_dtype`` (comma-separated eval configs)."""
+    configs = parse_configs(args.kv_cache_dtype)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "kv_cache_dtype"}
+    # Repeats reuse prompts: only the prefix mode may hit the prefix cache.
+    engine_kwargs["enable_prefix_caching"] = args.mode == "prefix"
+    engines = _engines(args.model, configs, engine_kwargs)
+    setup = time.perf_counter() - t0
+    first = next(iter(engines.values()))
+    avoid = set().union(*(e.eos_token_ids for e in engines.values()))
+    warm = random_prompts(first.vocab_size, 1, 16, args.seed + 999, avoid)
+    for engine in engines.values():  # first calls allocate; keep them out of the numbers
+        run_requests(engine, warm, 2)
+    mode = {"throughput": _throughput, "latency": _latency, "prefix": _prefix}[args.mode]
+    results = mode(engines, args, first.vocab_size, avoid)
+    report = {
+        "mode": args.mode, "model": args.model, "dtype": str(first.dtype).replace("torch.", ""),
+        "device": str(first.device), "attention_backend": first.backend.name,
+        "configs": [c.to_json() for c in configs], "baseline": configs[0].label,
+        "params": {k: getattr(args, k) for k in ("num_requests", "prompt_len", "output_len", "batch_sizes",
+                                                 "prefix_len", "repeats", "seed")},
+        "engine": engine_kwargs,
+        "setup_seconds": setup, "kernel_build_seconds": _kernel_build_seconds(first),
+        "results": results,
+        "env": {"torch": torch.__version__, "python": platform.python_version(),
+                "cpu": _cpu_name(), "threads": torch.get_num_threads(),
+                "load_average_before": load_before, "load_average_after": os.getloadavg()},
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return report
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
