@@ -37,7 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or the torch reference when no C++ compiler is found")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="one GEMM per sequence, so results do not depend on the batch (slower)")
+                   help="fixed-shape GEMM tiles and (on the cpu backend) row-invariant attention: a request's "
+                        "tokens do not depend on what it is batched with, how its prefill is chunked or "
+                        "prefix-cache hits (slower)")
 
 
 _ENGINE_KEYS = ("dtype", "kv_cache_dtype", "kv_scales", "kv_cache_dtype_skip_layers", "kv_rotation",

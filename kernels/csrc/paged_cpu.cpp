@@ -22,6 +22,10 @@
 #include <limits>
 #include <vector>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -177,41 +181,61 @@ static inline f32x8 vexp(f32x8 x) {
   return y * pow2;
 }
 
+// Widen 8 stored integers to 32-bit lanes (one vpmovzx/vpmovsx where the ISA has it).
+static inline u32x8 widen_u8(const uint8_t* p) {
+#ifdef __AVX2__
+  __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (u32x8)v;
+#else
+  return (u32x8){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+#endif
+}
+
+static inline f32x8 widen_i8(const int8_t* p) {
+#ifdef __AVX2__
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  return (f32x8){(float)p[0], (float)p[1], (float)p[2], (float)p[3], (float)p[4], (float)p[5], (float)p[6],
+                 (float)p[7]};
+#endif
+}
+
+static inline u32x8 widen_u16(const uint16_t* p) {
+#ifdef __AVX2__
+  return (u32x8)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return (u32x8){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+#endif
+}
+
+static inline f32x8 as_f32(u32x8 b) { f32x8 f; std::memcpy(&f, &b, 32); return f; }
+
 // Decode 8 stored elements to fp32 (exact for every format).
 static inline f32x8 decode8(const void* base, int64_t i, int32_t dtype) {
   switch (dtype) {
     case F32: return loadv(static_cast<const float*>(base) + i);
-    case BF16: {
-      u16x8 h; std::memcpy(&h, static_cast<const uint16_t*>(base) + i, 16);
-      u32x8 b = __builtin_convertvector(h, u32x8) << 16;
-      f32x8 f; std::memcpy(&f, &b, 32); return f;
+    case BF16: return as_f32(widen_u16(static_cast<const uint16_t*>(base) + i) << 16);
+    case F16: {  // fp16 bits into fp32 position times 2^112, exponent 31 is inf/NaN (as for e5m2 below)
+      u32x8 b = widen_u16(static_cast<const uint16_t*>(base) + i);
+      u32x8 rest = b & 0x7fffu, sign = (b & 0x8000u) << 16;
+      u32x8 special = (u32x8)(rest >= 0x7c00u);
+      u32x8 bits = ((rest << 13) & ~special) | (special & (0x7f800000u | ((rest & 0x3ffu) << 13))) | sign;
+      return as_f32(bits) * splat(0x1p112f);
     }
-    case F16: {
-      f32x8 f;
-      for (int k = 0; k < 8; ++k) f[k] = f16_to_f32(static_cast<const uint16_t*>(base)[i + k]);
-      return f;
-    }
-    case I8: {
-      i8x8 q; std::memcpy(&q, static_cast<const int8_t*>(base) + i, 8);
-      return __builtin_convertvector(__builtin_convertvector(q, i32x8), f32x8);
-    }
+    case I8: return widen_i8(static_cast<const int8_t*>(base) + i);
     case E4M3: {  // low 7 bits into fp32 exponent/mantissa, times 2^120; 0x7f/0xff is NaN
-      u8x8 q; std::memcpy(&q, static_cast<const uint8_t*>(base) + i, 8);
-      u32x8 b = __builtin_convertvector(q, u32x8);
+      u32x8 b = widen_u8(static_cast<const uint8_t*>(base) + i);
       u32x8 rest = b & 0x7fu, sign = (b & 0x80u) << 24;
       u32x8 nan = (u32x8)(rest == 0x7fu);
       u32x8 bits = ((rest << 20) & ~nan) | (nan & 0x7fc00000u) | sign;
-      f32x8 f; std::memcpy(&f, &bits, 32);
-      return f * splat(0x1p120f);
+      return as_f32(bits) * splat(0x1p120f);
     }
     default: {  // E5M2: low 7 bits into fp32, times 2^112; exponent 31 is inf/NaN
-      u8x8 q; std::memcpy(&q, static_cast<const uint8_t*>(base) + i, 8);
-      u32x8 b = __builtin_convertvector(q, u32x8);
+      u32x8 b = widen_u8(static_cast<const uint8_t*>(base) + i);
       u32x8 rest = b & 0x7fu, sign = (b & 0x80u) << 24;
       u32x8 special = (u32x8)(rest >= 0x7cu);
       u32x8 bits = ((rest << 21) & ~special) | (special & (0x7f800000u | ((rest & 3u) << 21))) | sign;
-      f32x8 f; std::memcpy(&f, &bits, 32);
-      return f * splat(0x1p112f);
+      return as_f32(bits) * splat(0x1p112f);
     }
   }
 }
@@ -312,22 +336,76 @@ static inline void load_cached_row(const CacheDesc& c, int64_t block, int kv, in
   else if (c.scale_mode == SCALE_HEAD)
     s = (kv == 0 ? c.k_scale : c.v_scale)[h];
   const f32x8 sv = splat(s);
-  const bool scaled = c.scale_mode == SCALE_DYNAMIC || c.scale_mode == SCALE_HEAD;
-  for (int d = 0; d < c.head_dim; d += 8) {
-    f32x8 v = decode8(c.data, base + d, c.dtype);
-    storev(dst + d, scaled ? v * sv : v);
+  if (c.scale_mode == SCALE_DYNAMIC || c.scale_mode == SCALE_HEAD) {
+    for (int d = 0; d < c.head_dim; d += 8) storev(dst + d, decode8(c.data, base + d, c.dtype) * sv);
+  } else {
+    for (int d = 0; d < c.head_dim; d += 8) storev(dst + d, decode8(c.data, base + d, c.dtype));
   }
 }
 
-static inline float dot(const float* q, const float* k, int D) {
-  f32x8 a0 = loadv(q) * loadv(k), a1 = splat(0.0f);
-  int d = 8;
-  for (; d + 8 < D; d += 16) {
-    a1 += loadv(q + d) * loadv(k + d);
-    a0 += loadv(q + d + 8) * loadv(k + d + 8);
+// Lane k of the result is the sum of the 8 lanes of v[k], always added in the same tree:
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)).
+static inline f32x8 reduce8(const f32x8* v) {
+#ifdef __AVX2__
+  __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+#else
+  f32x8 r;
+  for (int k = 0; k < 8; ++k)
+    r[k] = ((v[k][0] + v[k][1]) + (v[k][2] + v[k][3])) + ((v[k][4] + v[k][5]) + (v[k][6] + v[k][7]));
+  return r;
+#endif
+}
+
+static inline float hmax(f32x8 v) {
+  float a0 = std::max(v[0], v[4]), a1 = std::max(v[1], v[5]), a2 = std::max(v[2], v[6]), a3 = std::max(v[3], v[7]);
+  return std::max(std::max(a0, a2), std::max(a1, a3));
+}
+
+// Scores of keys g .. g+7 of the tile for one query row: 8 independent dot products over D, then one
+// batched horizontal reduction. The order of every addition is fixed.
+static inline f32x8 scores8(const float* q, const float* kbuf, int D) {
+  f32x8 acc[8];
+  for (int k = 0; k < 8; ++k) {
+    const float* kr = kbuf + (size_t)k * D;
+    f32x8 a = loadv(q) * loadv(kr);
+    for (int d = 8; d < D; d += 8) a += loadv(q + d) * loadv(kr + d);
+    acc[k] = a;
   }
-  if (d < D) a1 += loadv(q + d) * loadv(k + d);
-  return hsum(a0 + a1);
+  return reduce8(acc);
+}
+
+// o[0:8*NC] = o * alpha + sum_j p[j] * v[j] for j in [a0, a1), accumulators kept in registers.
+template <int NC>
+static inline void pv_chunk(float* o, const float* vbuf, const float* p, int a0, int a1, int D, float alpha) {
+  f32x8 acc[NC];
+  const f32x8 al = splat(alpha);
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) acc[c] = loadv(o + 8 * c) * al;
+  for (int j = a0; j < a1; ++j) {
+    const f32x8 pj = splat(p[j]);
+    const float* v = vbuf + (size_t)j * D;
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) acc[c] += pj * loadv(v + 8 * c);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) storev(o + 8 * c, acc[c]);
+}
+
+static void pv(float* o, const float* vbuf, const float* p, int a0, int a1, int D, float alpha) {
+  int d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) pv_chunk<8>(o + d0, vbuf + d0, p, a0, a1, D, alpha);
+  switch ((D - d0) / 8) {
+    case 1: pv_chunk<1>(o + d0, vbuf + d0, p, a0, a1, D, alpha); break;
+    case 2: pv_chunk<2>(o + d0, vbuf + d0, p, a0, a1, D, alpha); break;
+    case 3: pv_chunk<3>(o + d0, vbuf + d0, p, a0, a1, D, alpha); break;
+    case 4: pv_chunk<4>(o + d0, vbuf + d0, p, a0, a1, D, alpha); break;
+    case 5: pv_chunk<5>(o + d0, vbuf + d0, p, a0, a1, D, alpha); break;
+    case 6: pv_chunk<6>(o + d0, vbuf + d0, p, a0, a1, D, alpha); break;
+    case 7: pv_chunk<7>(o + d0, vbuf + d0, p, a0, a1, D, alpha); break;
+    default: break;
+  }
 }
 
 namespace {
@@ -335,25 +413,73 @@ struct RowState {
   float m, l;
   int64_t lo, hi;  // visible key positions [lo, hi)
 };
+static_assert(sizeof(RowState) == 24, "RowState is stored in the float work buffer");
 }  // namespace
 
-static void attend_item(const AttnArgs& a, int s, int kvh, int64_t tok0, int64_t ntok,
+// Online-softmax update of one query row with the keys [a0, a1) of the current tile (tile-relative).
+static void attend_row(const float* q, float* o, RowState& rs, const float* kbuf, const float* vbuf,
+                       int a0, int a1, int tile_keys, int D) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float s[64], p[64];
+  float mb = ninf;
+  for (int g = (a0 / 8) * 8; g < a1; g += 8) {
+    f32x8 sv = scores8(q, kbuf + (size_t)g * D, D);
+    for (int k = 0; k < 8; ++k) {  // keys outside [a0, a1) take no part
+      const int j = g + k;
+      if (j < a0 || j >= a1) sv[k] = ninf;
+    }
+    storev(s + g, sv);
+    mb = std::max(mb, hmax(sv));
+  }
+  (void)tile_keys;
+  const float m_new = std::max(rs.m, mb);
+  const float alpha = rs.m == ninf ? 0.0f : vexp(splat(rs.m - m_new))[0];
+  f32x8 lsum = splat(0.0f);
+  for (int g = (a0 / 8) * 8; g < a1; g += 8) {
+    f32x8 e = vexp(loadv(s + g) - splat(m_new));
+    for (int k = 0; k < 8; ++k)
+      if (g + k < a0 || g + k >= a1) e[k] = 0.0f;
+    storev(p + g, e);
+    lsum += e;
+  }
+  rs.l = rs.l * alpha + hsum(lsum);
+  rs.m = m_new;
+  pv(o, vbuf, p, a0, a1, D, alpha);
+}
+
+// Bring the next block's K and V rows of heads [h0, h1) towards L1 while the current one is computed:
+// block ids are scattered, so the hardware prefetcher cannot guess them.
+static inline void prefetch_block(const CacheDesc& c, int64_t block, int h0, int h1) {
+  const int64_t esize = c.dtype == F32 ? 4 : (c.dtype == BF16 || c.dtype == F16) ? 2 : 1;
+  const char* base = static_cast<const char*>(c.data);
+  const int64_t row_bytes = (int64_t)(h1 - h0) * c.head_dim * esize;
+  for (int kv = 0; kv < 2; ++kv)
+    for (int j = 0; j < c.block_size; ++j) {
+      const char* row = base + (block * c.stride_block + kv * c.stride_kv + j * c.stride_slot + h0 * c.stride_head) * esize;
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
+    }
+}
+
+// One work item: query tokens [tok0, tok0 + ntok) of sequence s, kv heads [h0, h1) and their query heads.
+static void attend_item(const AttnArgs& a, int s, int64_t tok0, int64_t ntok, int h0, int h1,
                         std::vector<float>& work) {
   const CacheDesc& c = a.cache;
-  const int D = c.head_dim, G = a.num_q_heads / c.num_kv_heads, BS = c.block_size;
+  const int D = c.head_dim, G = a.num_q_heads / c.num_kv_heads, BS = c.block_size, NH = h1 - h0;
+  const int TK = BS < 8 ? 8 : BS;  // tile rows per head: keys of one block, padded to a group of 8
   const int64_t q0 = a.query_start_loc[s], q_len = a.query_start_loc[s + 1] - q0;
   const int64_t first_pos = a.seq_lens[s] - q_len;
-  const int rows = (int)ntok * G;
-  work.resize((size_t)rows * D * 2 + (size_t)BS * D * 2 + 64);
+  const int rows = (int)ntok * NH * G;  // row r: token r / (NH * G), query head h0 * G + r % (NH * G)
+  work.resize((size_t)rows * D * 2 + (size_t)NH * TK * D * 2 + (size_t)rows * sizeof(RowState) / sizeof(float));
   float* qbuf = work.data();
   float* acc = qbuf + (size_t)rows * D;
   float* kbuf = acc + (size_t)rows * D;
-  float* vbuf = kbuf + (size_t)BS * D;
-  RowState st[1024];
+  float* vbuf = kbuf + (size_t)NH * TK * D;
+  RowState* st = reinterpret_cast<RowState*>(vbuf + (size_t)NH * TK * D);
   const int32_t* table = a.block_tables + (int64_t)s * a.stride_bt;
 
   for (int r = 0; r < rows; ++r) {
-    const int64_t tok = tok0 + r / G, head = (int64_t)kvh * G + r % G;
+    const int64_t tok = tok0 + r / (NH * G), head = (int64_t)h0 * G + r % (NH * G);
+    const int kvh = (int)(head / G);
     float* q = qbuf + (size_t)r * D;
     for (int d = 0; d < D; ++d) q[d] = load_f32(a.query, (q0 + tok) * a.stride_qt + head * a.stride_qh + d, a.q_dtype);
     if (c.rotate) {  // (qH).(kH) = q.k; rounded back to the query dtype like the reference
@@ -372,42 +498,26 @@ static void attend_item(const AttnArgs& a, int s, int kvh, int64_t tok0, int64_t
              a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0, pos + 1};
   }
   const int64_t lo = st[0].lo, hi = st[rows - 1].hi;
-  float sc[64] = {0.0f}, p[64];
   for (int64_t b = lo / BS; b * BS < hi; ++b) {
     const int64_t block = table[b], start = b * BS;
+    if ((b + 1) * BS < hi) prefetch_block(c, table[b + 1], h0, h1);
     const int64_t j0 = std::max(start, lo), j1 = std::min(start + BS, hi);
-    for (int64_t j = j0; j < j1; ++j) {
-      load_cached_row(c, block, 0, j - start, kvh, kbuf + (j - start) * D);
-      load_cached_row(c, block, 1, j - start, kvh, vbuf + (j - start) * D);
-    }
+    for (int64_t j = j0; j < j1; ++j)  // only slots some row of the item can see are read
+      for (int h = h0; h < h1; ++h) {
+        load_cached_row(c, block, 0, j - start, h, kbuf + ((size_t)(h - h0) * TK + (j - start)) * D);
+        load_cached_row(c, block, 1, j - start, h, vbuf + ((size_t)(h - h0) * TK + (j - start)) * D);
+      }
     for (int r = 0; r < rows; ++r) {
-      RowState& rs = st[r];
-      const int64_t a0 = std::max(start, rs.lo), a1 = std::min(start + BS, rs.hi);
-      if (a0 >= a1) continue;
-      const float* q = qbuf + (size_t)r * D;
-      float mb = -std::numeric_limits<float>::infinity();
-      for (int64_t j = a0; j < a1; ++j) {
-        sc[j - start] = dot(q, kbuf + (j - start) * D, D);
-        mb = std::max(mb, sc[j - start]);
-      }
-      const float m_new = std::max(rs.m, mb);
-      for (int k = 0; k < BS; k += 8) storev(p + k, vexp(loadv(sc + k) - splat(m_new)));
-      const float alpha = rs.m == -std::numeric_limits<float>::infinity()
-                              ? 0.0f : vexp(splat(rs.m - m_new))[0];
-      float lsum = 0.0f;
-      for (int64_t j = a0; j < a1; ++j) lsum += p[j - start];
-      rs.l = rs.l * alpha + lsum;
-      rs.m = m_new;
-      float* o = acc + (size_t)r * D;
-      for (int d = 0; d < D; d += 8) {
-        f32x8 v = loadv(o + d) * splat(alpha);
-        for (int64_t j = a0; j < a1; ++j) v += splat(p[j - start]) * loadv(vbuf + (j - start) * D + d);
-        storev(o + d, v);
-      }
+      const int64_t a0 = std::max(start, st[r].lo), a1 = std::min(start + BS, st[r].hi);
+      const size_t tile = (size_t)((r % (NH * G)) / G) * TK * D;
+      if (a0 < a1)
+        attend_row(qbuf + (size_t)r * D, acc + (size_t)r * D, st[r], kbuf + tile, vbuf + tile, (int)(a0 - start),
+                   (int)(a1 - start), TK, D);
     }
   }
   for (int r = 0; r < rows; ++r) {
-    const int64_t tok = tok0 + r / G, head = (int64_t)kvh * G + r % G;
+    const int64_t tok = tok0 + r / (NH * G), head = (int64_t)h0 * G + r % (NH * G);
+    const int kvh = (int)(head / G);
     float* o = acc + (size_t)r * D;
     const float l = st[r].l;
     for (int d = 0; d < D; ++d) o[d] = l == 0.0f ? 0.0f : o[d] / l;
@@ -421,22 +531,30 @@ static void attend_item(const AttnArgs& a, int s, int kvh, int64_t tok0, int64_t
 
 extern "C" int qkv_paged_attention(const AttnArgs* a) {
   const int G = a->num_q_heads / a->cache.num_kv_heads, H = a->cache.num_kv_heads;
-  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(a->q_tile, 1024 / G));
   if (a->cache.block_size > 64 || a->cache.head_dim % 8) return 1;
-  // Work items: (sequence, query tile, kv head).
+  // Work items: (sequence, query tile, kv-head range). An item reads its heads' rows of a block as one
+  // contiguous run; heads are split only when there would be too few items to keep the threads busy.
+  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(a->q_tile, 1024 / (G * H)));
+  int64_t tiles = 0;
+  for (int s = 0; s < a->num_seqs; ++s)
+    tiles += (a->query_start_loc[s + 1] - a->query_start_loc[s] + tile - 1) / tile;
+  const int split = (int)std::min<int64_t>(H, std::max<int64_t>(1, (2 * a->num_threads + tiles - 1) / std::max<int64_t>(tiles, 1)));
+  const int per = (H + split - 1) / split;
   std::vector<int64_t> items;
   for (int s = 0; s < a->num_seqs; ++s) {
     const int64_t q_len = a->query_start_loc[s + 1] - a->query_start_loc[s];
     for (int64_t t0 = 0; t0 < q_len; t0 += tile)
-      for (int h = 0; h < H; ++h) items.insert(items.end(), {s, t0, std::min(tile, q_len - t0), h});
+      for (int h = 0; h < H; h += per) items.insert(items.end(), {s, t0, std::min(tile, q_len - t0), h, std::min(H, h + per)});
   }
-  const int64_t n = (int64_t)items.size() / 4;
+  const int64_t n = (int64_t)items.size() / 5;
 #pragma omp parallel num_threads(a->num_threads)
   {
     std::vector<float> work;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i)
-      attend_item(*a, (int)items[4 * i], (int)items[4 * i + 3], items[4 * i + 1], items[4 * i + 2], work);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t* it = &items[5 * i];
+      attend_item(*a, (int)it[0], it[1], it[2], (int)it[3], (int)it[4], work);
+    }
   }
   return 0;
 }
