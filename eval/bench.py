@@ -126,24 +126,23 @@ def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -
     if args.transformers:
         hf = AutoModelForCausalLM.from_pretrained(str(first.model_path), dtype=first.dtype,
                                                   attn_implementation="sdpa").to(first.device).eval()
+        _hf_run(hf, random_prompts(vocab, 1, 16, args.seed + 999, avoid), 2)  # first calls initialise lazily
     labels = list(engines) + (["transformers"] if hf is not None else [])
     out: dict = {}
     for b in args.batch_sizes:
         ttft: dict[str, list[float]] = {k: [] for k in labels}
         rate: dict[str, list[float]] = {k: [] for k in labels}
-        for r in range(args.repeats + 1):  # round 0 warms every engine up and is discarded
+        for r in range(args.repeats):
             prompts = random_prompts(vocab, b, args.prompt_len, args.seed + 100 * r + b, avoid)
             for label in rotate_order(labels, r):
                 if label == "transformers":
                     t_first, total = _hf_run(hf, prompts, args.output_len)
                 else:
                     t_first, total = run_requests(engines[label], prompts, args.output_len)[:2]
-                if r:
-                    ttft[label].append(t_first)
-                    rate[label].append(b * (args.output_len - 1) / max(total - t_first, 1e-9))
-            if r:
-                print(f"latency batch {b} repeat {r}: " + ", ".join(
-                    f"{k} TTFT {1000 * ttft[k][-1]:.0f} ms, {rate[k][-1]:.1f} tok/s" for k in labels), flush=True)
+                ttft[label].append(t_first)
+                rate[label].append(b * (args.output_len - 1) / max(total - t_first, 1e-9))
+            print(f"latency batch {b} repeat {r + 1}: " + ", ".join(
+                f"{k} TTFT {1000 * ttft[k][-1]:.0f} ms, {rate[k][-1]:.1f} tok/s" for k in labels), flush=True)
         base = labels[0]
         row = {}
         for label in labels:
@@ -164,7 +163,7 @@ def _prefix(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) ->
     cold: dict[str, list[float]] = {k: [] for k in labels}
     hit: dict[str, list[float]] = {k: [] for k in labels}
     cached: dict[str, int] = {}
-    for r in range(args.repeats + 1):  # round 0 is a warm-up
+    for r in range(args.repeats):
         prefix = random_prompts(vocab, 1, args.prefix_len, args.seed + 7 + r, avoid)[0]
         suffix = random_prompts(vocab, 1, 4, args.seed + 70 + r, avoid)[0]
         for label in rotate_order(labels, r):
@@ -172,13 +171,11 @@ def _prefix(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) ->
             engine.pool.reset_prefix_cache()
             t_cold = run_requests(engine, [prefix], 1)[0]
             t_hit, _, _, outs = run_requests(engine, [prefix + suffix], 1)
-            if r:
-                cold[label].append(t_cold)
-                hit[label].append(t_hit)
-                cached[label] = outs[0].num_cached_tokens
-        if r:
-            print(f"prefix repeat {r}: " + ", ".join(
-                f"{k} cold {1000 * cold[k][-1]:.0f} ms / hit {1000 * hit[k][-1]:.1f} ms" for k in labels), flush=True)
+            cold[label].append(t_cold)
+            hit[label].append(t_hit)
+            cached[label] = outs[0].num_cached_tokens
+        print(f"prefix repeat {r + 1}: " + ", ".join(
+            f"{k} cold {1000 * cold[k][-1]:.0f} ms / hit {1000 * hit[k][-1]:.1f} ms" for k in labels), flush=True)
     base = labels[0]
     cold_ratio = _median_ratio(cold, base)
     return {label: {"cold_ttft_ms": 1000 * statistics.median(cold[label]),

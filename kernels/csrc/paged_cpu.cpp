@@ -280,7 +280,8 @@ static void quantize_row(const float* x, const float* scale, int D, bool per_cha
 extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
   const CacheDesc& c = a->cache;
   const int D = c.head_dim, H = c.num_kv_heads;
-#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+  // A decode step writes a few tokens: waking a thread team would cost more than the work.
+#pragma omp parallel for schedule(static) num_threads(a->num_threads) if (a->num_tokens >= 64)
   for (int64_t t = 0; t < a->num_tokens; ++t) {
     const int64_t slot = a->slot_mapping[t];
     if (slot < 0) continue;
@@ -547,7 +548,7 @@ extern "C" int qkv_paged_attention(const AttnArgs* a) {
       for (int h = 0; h < H; h += per) items.insert(items.end(), {s, t0, std::min(tile, q_len - t0), h, std::min(H, h + per)});
   }
   const int64_t n = (int64_t)items.size() / 5;
-#pragma omp parallel num_threads(a->num_threads)
+#pragma omp parallel num_threads(a->num_threads) if (n > 1)
   {
     std::vector<float> work;
 #pragma omp for schedule(dynamic, 1)
