@@ -21,6 +21,7 @@ SDPA) within its tolerance, not bit for bit.
 from __future__ import annotations
 
 import ctypes
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -111,8 +112,10 @@ def _cache_desc(kv_cache: torch.Tensor, dt: CacheDtype, k_scale: torch.Tensor | 
             else:
                 raise ValueError(f"{name} must have shape [num_kv_heads={num_heads}] (or one element), "
                                  f"got {tuple(s.shape)}")
-            scales.append(s.contiguous())
-        keep.extend(scales)
+            if s.data_ptr() != (k_scale if name == "k_scale" else v_scale).data_ptr() or not s.is_contiguous():
+                s = s.contiguous()
+                keep.append(s)  # a converted copy: the caller must hold it through the call
+            scales.append(s)
         desc.scale_mode = _CHANNEL if channel else _HEAD
         desc.k_scale, desc.v_scale = scales[0].data_ptr(), scales[1].data_ptr()
     return desc
@@ -126,6 +129,24 @@ class CpuKernels:
         self._attend = lib.qkv_paged_attention
         for fn, args in ((self._write, _WriteArgs), (self._attend, _AttnArgs)):
             fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
+        # Checked layer descriptions, reused while a layer's tensors stay the same (30 layers x 2 calls a
+        # step would otherwise redo the checks every step). Only descriptions that point at the caller's
+        # own tensors are kept, so a hit never reads a stale copy.
+        self._descs: OrderedDict[tuple, _CacheDesc] = OrderedDict()
+
+    def _desc(self, kv_cache: torch.Tensor, dt: CacheDtype, k_scale: torch.Tensor | None,
+              v_scale: torch.Tensor | None, scale_cache: torch.Tensor | None, rotate: bool,
+              keep: list[torch.Tensor]) -> _CacheDesc:
+        key = (dt.name, rotate, *(None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+                                  for t in (kv_cache, k_scale, v_scale, scale_cache)))
+        desc = self._descs.get(key)
+        if desc is None:
+            desc = _cache_desc(kv_cache, dt, k_scale, v_scale, scale_cache, rotate, keep)
+            if not keep:
+                self._descs[key] = desc
+                if len(self._descs) > 256:
+                    self._descs.popitem(last=False)
+        return desc
 
     @classmethod
     def build(cls, build_dir: Path) -> "CpuKernels":
@@ -138,7 +159,7 @@ class CpuKernels:
                        scale_cache: torch.Tensor | None = None, rotate: bool = False) -> None:
         """Quantize ``key``/``value`` ([T, Hkv, D]) and scatter them into ``kv_cache`` at ``slot_mapping``."""
         keep: list[torch.Tensor] = []
-        cache = _cache_desc(kv_cache, dt, k_scale, v_scale, scale_cache, rotate, keep)
+        cache = self._desc(kv_cache, dt, k_scale, v_scale, scale_cache, rotate, keep)
         if key.dim() != 3 or key.shape != value.shape or tuple(key.shape[1:]) != tuple(kv_cache.shape[3:]):
             raise ValueError(f"key and value must both be [T, {kv_cache.shape[3]}, {kv_cache.shape[4]}], "
                              f"got {tuple(key.shape)} and {tuple(value.shape)}")
@@ -163,7 +184,7 @@ class CpuKernels:
                         sliding_window: int | None = None, rotate: bool = False) -> torch.Tensor:
         """Varlen paged attention over ``query`` ([T, Hq, D]); returns ``[T, Hq, D]`` in query's dtype."""
         keep: list[torch.Tensor] = []
-        cache = _cache_desc(kv_cache, dt, k_scale, v_scale, scale_cache, rotate, keep)
+        cache = self._desc(kv_cache, dt, k_scale, v_scale, scale_cache, rotate, keep)
         num_kv_heads, head_dim = kv_cache.shape[3:]
         if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads:
             raise ValueError(f"query must be [T, Hq, {head_dim}] with Hq a multiple of {num_kv_heads}, "
