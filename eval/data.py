@@ -1,10 +1,11 @@
 """Evaluation text and the token windows cut from it.
 
-``--dataset wikitext`` (the default) is WikiText-2 raw, test split. The shared
-copy (``../shared/data/wikitext-2/wiki.test.raw`` beside the repository, or
-``$QKV_WIKITEXT_DIR``) is byte-for-byte the hub's split, so it is used when
-present; otherwise the hub dataset ``wikitext``/``wikitext-2-raw-v1`` is loaded.
-Either way the text goes through ``datasets`` and CRLF is normalised to LF.
+``--dataset wikitext`` (the default) is WikiText-2 raw, test split. A local copy
+(``wikitext-2/wiki.test.raw``, found by :func:`qkv.data_files.find_data_file`:
+``$QKV_DATA_DIR``, else the shared copy beside the checkout) is byte-for-byte the
+hub's split, so it is used when present; otherwise the hub dataset
+``wikitext``/``wikitext-2-raw-v1`` is loaded. Either way the text goes through
+``datasets`` and CRLF is normalised to LF.
 Any other ``--dataset`` is a local ``.txt``/``.raw`` file or a ``.jsonl`` file
 with a ``text`` (or ``page``) field.
 """
@@ -12,13 +13,15 @@ with a ``text`` (or ``page``) field.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EvalText", "load_text", "make_windows", "wikitext_test_file", "DataError"]
+import datasets
 
-REPO = Path(__file__).resolve().parent.parent
+from qkv.data_files import WIKITEXT_TEST, WIKITEXT_VALID, find_data_file, not_found
+
+__all__ = ["EvalText", "load_text", "make_windows", "wikitext_test_file", "wikitext_valid_file", "DataError"]
+
 WIKITEXT_NAMES = ("wikitext", "wikitext2", "wikitext-2", "wikitext-2-raw-v1")
 
 
@@ -36,13 +39,13 @@ class EvalText:
 
 
 def wikitext_test_file() -> Path | None:
-    """The shared WikiText-2 raw test file, or ``None`` when this checkout has no shared data."""
-    cands = []
-    if os.environ.get("QKV_WIKITEXT_DIR"):
-        cands.append(Path(os.environ["QKV_WIKITEXT_DIR"]) / "wiki.test.raw")
-    cands += [REPO.parent / "shared" / "data" / "wikitext-2" / "wiki.test.raw",
-              Path.cwd().parent / "shared" / "data" / "wikitext-2" / "wiki.test.raw"]
-    return next((p for p in cands if p.is_file()), None)
+    """The local WikiText-2 raw test file, or ``None`` when there is none (see :mod:`qkv.data_files`)."""
+    return find_data_file(WIKITEXT_TEST)
+
+
+def wikitext_valid_file() -> Path | None:
+    """The local WikiText-2 validation file (calibration text for ``--search``), or ``None``."""
+    return find_data_file(WIKITEXT_VALID)
 
 
 def _sha(data: bytes) -> str:
@@ -50,7 +53,6 @@ def _sha(data: bytes) -> str:
 
 
 def _load_file(path: Path) -> str:
-    import datasets
     datasets.disable_progress_bars()
     if path.suffix in (".jsonl", ".json"):
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
@@ -71,11 +73,10 @@ def load_text(dataset: str = "wikitext") -> EvalText:
             return EvalText("wikitext-2-raw-v1/test", str(path), text, _sha(text.encode()),
                             _sha(path.read_bytes()))
         try:
-            import datasets
             ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
         except Exception as e:  # noqa: BLE001 - no hub, no local copy: say both
-            raise DataError("WikiText-2 is not available: no local copy at ../shared/data/wikitext-2/"
-                            f"wiki.test.raw (or $QKV_WIKITEXT_DIR) and the hub failed: {e}") from None
+            raise DataError(f"WikiText-2 is not available: {not_found(WIKITEXT_TEST)}; and the hub "
+                            f"failed: {e}") from None
         text = "".join(ds["text"]).replace("\r\n", "\n")
         return EvalText("wikitext-2-raw-v1/test", "hub:wikitext/wikitext-2-raw-v1", text, _sha(text.encode()))
     path = Path(dataset)

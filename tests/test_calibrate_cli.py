@@ -8,7 +8,6 @@ import pytest
 
 from qkv.cli import main
 
-pytest.importorskip("datasets", reason="qkv calibrate loads data with the `datasets` package (pip install datasets)")
 
 TEXT = "Paged attention stores keys and values in fixed blocks of sixteen tokens. " * 60
 

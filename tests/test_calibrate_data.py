@@ -1,15 +1,11 @@
 """Calibration data: local files through `datasets`, chat rows through the chat template, packing, seeds."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from qkv.calibrate.data import build_samples, load_rows
-
-pytest.importorskip("datasets", reason="qkv calibrate loads data with the `datasets` package (pip install datasets)")
-
-WIKI_VALID = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
+from qkv.data_files import WIKITEXT_VALID
 
 TEXT = ("Calibration observes the keys after rotary embedding and the values as projected. "
         "The quick brown fox jumps over the lazy dog. ") * 40
@@ -93,9 +89,8 @@ def test_bos_prefix_is_kept_like_a_served_prompt(tmp_path, tiny_dir):
     assert all(len(c) == 32 and c[:len(prefix)] == prefix for c in s.chunks)
 
 
-@pytest.mark.skipif(not WIKI_VALID.exists(), reason=f"WikiText-2 not found at {WIKI_VALID} (shared data absent)")
-def test_wikitext_valid_tokens(tok):
-    raw = load_rows(str(WIKI_VALID))
+def test_wikitext_valid_tokens(tok, data_file):
+    raw = load_rows(str(data_file(WIKITEXT_VALID)))
     assert len(raw.texts) == 1 and raw.texts[0].startswith(" \n = Homarus gammarus")  # BOM stripped
     s = build_samples(raw, tok, 8, 128, seed=0)
     assert len(s.chunks) == 8 and s.info["pool_chunks"] >= 8

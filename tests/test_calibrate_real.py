@@ -1,27 +1,24 @@
 """SmolLM2-135M calibrated on WikiText-2 validation: a real model through the whole path (slow)."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-pytest.importorskip("datasets", reason="qkv calibrate loads data with the `datasets` package (pip install datasets)")
-
-WIKI_VALID = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
+from qkv import LLM
+from qkv.calibrate.checkpoint import write_checkpoint
+from qkv.calibrate.data import load_rows
+from qkv.calibrate.run import calibrate
+from qkv.data_files import WIKITEXT_VALID
+from qkv.sampling import SamplingParams
+from qkv.scoring import prefill_logits
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not WIKI_VALID.exists(), reason=f"WikiText-2 not found at {WIKI_VALID} (shared data absent)")
-def test_smollm2_fp8_head_calibration_serves(tmp_path):
-    from qkv import LLM
-    from qkv.calibrate.checkpoint import write_checkpoint
-    from qkv.calibrate.data import load_rows
-    from qkv.calibrate.run import calibrate
-    from qkv.sampling import SamplingParams
-    from qkv.scoring import prefill_logits
+def test_smollm2_fp8_head_calibration_serves(tmp_path, data_file):
+    wiki_valid = data_file(WIKITEXT_VALID)
 
-    cal = calibrate("smollm2-135m", raw=load_rows(str(WIKI_VALID)), kv_cache_dtype="fp8", strategy="head",
+    cal = calibrate("smollm2-135m", raw=load_rows(str(wiki_valid)), kv_cache_dtype="fp8", strategy="head",
                     observer="minmax", num_samples=2, seq_len=128, progress=False)
     assert len(cal.layers) == 30 and all(r.k_scale.shape == (3,) for r in cal.layers)
     # SmolLM2's keys are far larger than its values (RoPE'd K with outlier dims)

@@ -10,26 +10,23 @@ import json
 
 import pytest
 
-pytest.importorskip("matplotlib", reason="qkv eval needs matplotlib (pip install matplotlib)")
-pytest.importorskip("datasets", reason="qkv eval needs datasets (pip install datasets)")
+from qkv import LLM
+from qkv.cli import main
+from qkv.data_files import WIKITEXT_TEST, WIKITEXT_VALID
+from qkv.eval import data
+from qkv.registry import resolve_model
 
-from qkv import LLM  # noqa: E402
-from qkv.cli import main  # noqa: E402
-from qkv.eval import data  # noqa: E402
-
-from test_eval import observe_amax, write_scales_dir  # noqa: E402
+from test_eval import observe_amax, write_scales_dir
 
 pytestmark = pytest.mark.slow
 
 
-def test_gate_on_smollm2(tmp_path, capsys):
-    if data.wikitext_test_file() is None:
-        pytest.skip("WikiText-2 not found at ../shared/data/wikitext-2/ (shared data absent)")
-    from qkv.registry import resolve_model
+def test_gate_on_smollm2(tmp_path, capsys, data_file):
+    data_file(WIKITEXT_TEST)  # what --dataset wikitext (the default) reads
     model = str(resolve_model("smollm2-135m"))
     engine = LLM(model, kv_cache_memory="64MiB").llm_engine
     # calibrate on a slice of the *validation* split (never the test split)
-    valid = (data.wikitext_test_file().parent / "wiki.valid.tokens").read_text(encoding="utf-8-sig")
+    valid = data_file(WIKITEXT_VALID).read_text(encoding="utf-8-sig")
     k, v = observe_amax(engine, data.make_windows(engine.tokenizer, valid[:60000], 2, 512))
     calib = write_scales_dir(tmp_path / "calib", k, v)
     broken = write_scales_dir(tmp_path / "div64", k, v, divide=64.0)

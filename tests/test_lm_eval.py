@@ -1,4 +1,7 @@
-"""lm-eval integration: `qkv lm-eval` (CLI) and simple_evaluate through the fp8 engine give the same numbers."""
+"""lm-eval integration: `qkv lm-eval` (CLI) and simple_evaluate through the fp8 engine give the same numbers.
+
+Needs the ``lm-eval`` extra, which ``.ci/run`` installs (``pip install -e '.[test,triton,lm-eval]'``).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,7 @@ import json
 
 import pytest
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval)")
-
-from qkv.cli import main  # noqa: E402
+from qkv.cli import main
 
 PAGES = [
     " = Paged attention = \n Paged attention stores keys and values in fixed blocks of sixteen tokens . "

@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval)")
+from qkv.data_files import WIKITEXT_TEST
+from qkv.eval.lm_eval_model import QKVLM, TASKS_DIR
+from qkv.registry import resolve_model
 
 pytestmark = pytest.mark.slow
 
 
-def test_bf16_word_perplexity_matches_hf(tmp_path, monkeypatch):
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    from qkv.eval.data import wikitext_test_file
-    from qkv.eval.lm_eval_model import QKVLM, TASKS_DIR
-    from qkv.registry import resolve_model
-
-    src = wikitext_test_file()
-    if src is None:
-        pytest.skip("WikiText-2 not found at ../shared/data/wikitext-2/ (shared data absent)")
-    import importlib.util
+def test_bf16_word_perplexity_matches_hf(tmp_path, monkeypatch, data_file):
+    src = data_file(WIKITEXT_TEST)
     spec = importlib.util.spec_from_file_location("qkv_task_data", TASKS_DIR / "qkv_task_data.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -2,7 +2,8 @@
 
 ``qkv_wikitext`` reuses lm-eval's own WikiText metric functions; its documents
 are the articles of the WikiText-2 raw test split, read from ``$QKV_WIKITEXT_JSONL``
-when set, else split out of the shared ``wiki.test.raw`` into a cache file.
+when set, else split out of the local ``wiki.test.raw`` (found by
+:mod:`qkv.data_files`) into a cache file.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from pathlib import Path
 import datasets
 from lm_eval.tasks.wikitext import preprocess_wikitext as _builtin
 
+from qkv.data_files import WIKITEXT_TEST, not_found
+from qkv.eval.data import wikitext_test_file
+from qkv.registry import default_cache_dir
+
 wikitext_detokenizer = _builtin.wikitext_detokenizer
 wikitext_process_results = _builtin.process_results
 
 HERE = Path(__file__).resolve().parent
-CACHE = Path(os.environ.get("QKV_CACHE_DIR", Path.home() / ".cache" / "qkv")) / "lm_eval"
+CACHE = default_cache_dir() / "lm_eval"
 _ARTICLE = re.compile(r"^ = [^=].* = $")
 
 
@@ -39,11 +44,10 @@ def wikitext_jsonl() -> Path:
         if not Path(env).is_file():
             raise FileNotFoundError(f"QKV_WIKITEXT_JSONL={env}: no such file")
         return Path(env)
-    from qkv.eval.data import wikitext_test_file
     src = wikitext_test_file()
     if src is None:
-        raise FileNotFoundError("qkv_wikitext needs ../shared/data/wikitext-2/wiki.test.raw (or $QKV_WIKITEXT_DIR) "
-                                "or a JSON-lines file of {\"page\": ...} in $QKV_WIKITEXT_JSONL")
+        raise FileNotFoundError(f"qkv_wikitext: {not_found(WIKITEXT_TEST)}, or put a JSON-lines file of "
+                                f"{{\"page\": ...}} in $QKV_WIKITEXT_JSONL")
     out = CACHE / "wikitext-2-raw-v1-test-articles.jsonl"
     if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
         out.parent.mkdir(parents=True, exist_ok=True)
