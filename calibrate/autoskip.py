@@ -24,8 +24,11 @@ import math
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
+from tqdm.auto import tqdm
 
 from qkv.layer_specs import build_layer_specs
+from qkv.metrics import token_metrics, token_nll
 from qkv.model_loader import attention_layout
 from qkv.scoring import prefill_logits
 
@@ -66,6 +69,11 @@ class _Scorer:
     def logits(self, ids: list[int]) -> torch.Tensor:
         return prefill_logits(self.engine, ids)[:-1]
 
+    def nll(self, ids: list[int], logits: torch.Tensor | None = None) -> float:
+        """Summed next-token NLL of one window (its logits computed unless given)."""
+        logits = self.logits(ids) if logits is None else logits
+        return float(token_nll(logits, _targets(ids)).sum())
+
     def ppl_delta(self, nll: float) -> float:
         base = sum(self.base_nll)
         return 100.0 * (math.exp((nll - base) / self.num_tokens) - 1.0)
@@ -78,26 +86,21 @@ def select_skip_layers(engine, cal: Calibration, windows: list[list[int]], max_p
     ``engine`` must have an unquantized cache (calibration's own engine does) and
     be idle; its cache is left all-BF16 afterwards.
     """
-    from qkv.eval.accuracy import token_metrics
-
-    from .run import _progress
-
     if not windows:
         raise ValueError("--auto-skip needs held-out windows (--heldout-samples >= 1)")
     sc = _Scorer(engine, cal, windows)
     n_layers = len(sc.all_layers)
     nll = {i: 0.0 for i in sc.all_layers}
     kl = {i: 0.0 for i in sc.all_layers}
-    bar = _progress(len(windows) * (n_layers + 1), progress)
+    bar = tqdm(total=len(windows) * (n_layers + 1), desc="auto-skip", unit="pass", disable=not progress)
     for ids in windows:
-        targets = torch.tensor(ids[1:], dtype=torch.long)
         sc.use(set())
         base = sc.logits(ids)
-        sc.base_nll.append(_nll(base, ids))
+        sc.base_nll.append(sc.nll(ids, base))
         bar.update(1)
         for i in sc.all_layers:
             sc.use({i})
-            n, k, _ = token_metrics(base, sc.logits(ids), targets)
+            n, k, _ = token_metrics(base, sc.logits(ids), _targets(ids))
             nll[i] += float(n.sum())
             kl[i] += float(k.sum())
             bar.update(1)
@@ -114,7 +117,7 @@ def select_skip_layers(engine, cal: Calibration, windows: list[list[int]], max_p
             delta = 0.0  # every layer BF16: the baseline itself
         else:
             sc.use(set(sc.all_layers) - set(keep))
-            delta = sc.ppl_delta(sum(_nll(sc.logits(w), w) for w in windows))
+            delta = sc.ppl_delta(sum(sc.nll(w) for w in windows))
         search.append({"skip_layers": keep, "ppl_delta_pct": delta})
         logger.info("auto-skip: %d layer(s) in BF16 %s -> ppl %+.3f%%", k, keep, delta)
         if delta <= max_ppl_delta:
@@ -129,27 +132,18 @@ def select_skip_layers(engine, cal: Calibration, windows: list[list[int]], max_p
             "ppl_delta_pct": search[-1]["ppl_delta_pct"]}
 
 
-def _nll(logits: torch.Tensor, ids: list[int], rows: int = 256) -> float:
-    """Summed next-token NLL, the same formula as :func:`qkv.eval.accuracy.token_metrics`."""
-    targets = torch.tensor(ids[1:], dtype=torch.long)
-    total = 0.0
-    for s in range(0, logits.shape[0], rows):
-        lq = torch.log_softmax(logits[s:s + rows].float(), dim=-1)
-        total += float(-lq.gather(1, targets[s:s + rows, None]).double().sum())
-    return total
+def _targets(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids[1:], dtype=torch.long)
 
 
 def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
     """Per-layer KL and ppl change (kept layers highlighted) and the selection curve, as a PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     layers = record["layers"]
     keep = set(record["skip_layers"])
     idx = [d["layer"] for d in layers]
     colors = ["tab:red" if i in keep else "tab:blue" for i in idx]
-    fig, (a1, a2, a3) = plt.subplots(3, 1, figsize=(9, 9), constrained_layout=True)
+    fig = Figure(figsize=(9, 9), constrained_layout=True)  # no pyplot: no global backend or figure state
+    a1, a2, a3 = fig.subplots(3, 1)
     a1.bar(idx, [max(d["kl_mean"], 1e-9) for d in layers], color=colors)
     a1.set_yscale("log")
     a1.set_ylabel("mean KL (one layer quantized)")
@@ -166,5 +160,4 @@ def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
     a3.legend()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -17,6 +17,22 @@ import argparse
 import time
 from pathlib import Path
 
+import torch
+
+from qkv.kernels.quant import ROTATIONS
+from qkv.metrics import parse_threshold
+from qkv.model_loader import load_tokenizer
+from qkv.registry import resolve_model
+from qkv.scales import read_kv_scales
+
+from .autoskip import FIGURE_FILE, plot_sensitivity, select_skip_layers
+from .checkpoint import vllm_note, vllm_readable, write_checkpoint
+from .data import Samples, build_samples, load_rows
+from .export import export_vllm
+from .observers import OBSERVER_NAMES
+from .report import summary_table
+from .run import STRATEGIES, calibrate, load_engine, resolve_target
+
 __all__ = ["register", "add_calibrate_args", "run_calibrate"]
 
 
@@ -36,10 +52,10 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                         "(auto: truncate for chat rows, pack otherwise)")
     p.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "fp8_e4m3", "int8"],
                    help="cache dtype the scales are for (default fp8 = e4m3)")
-    p.add_argument("--strategy", default="tensor", choices=["tensor", "head", "channel"],
+    p.add_argument("--strategy", default="tensor", choices=STRATEGIES,
                    help="one scale per layer for K and for V, one per kv head (compressed-tensors attn_head), "
                         "or one per kv head and channel (qkv extension: K folded into q, V into the output)")
-    p.add_argument("--kv-rotation", default="none", choices=["none", "hadamard"],
+    p.add_argument("--kv-rotation", default="none", choices=ROTATIONS,
                    help="qkv extension: calibrate scales of Hadamard-rotated K/V (the engine then rotates)")
     p.add_argument("--auto-skip", action="store_true",
                    help="choose the fewest layers to keep in BF16 so that ppl stays within --max-ppl-delta "
@@ -49,7 +65,7 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="held-out chunks for --auto-skip (same dataset and --seq-len, never used for the scales; "
                         "default 16). KV-quantization error grows with context, so calibrate at the context "
                         "length you serve: 512-token chunks underestimate the cost at 1,024")
-    p.add_argument("--observer", default="minmax", choices=["minmax", "percentile", "mse"],
+    p.add_argument("--observer", default="minmax", choices=OBSERVER_NAMES,
                    help="minmax: absmax over all samples; percentile: clip at --percentile of |x|; "
                         "mse: clipping ratio with the least quantize-dequantize error")
     p.add_argument("--percentile", type=float, default=None, help="for --observer percentile (default 99.99)")
@@ -67,23 +83,16 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from .checkpoint import write_checkpoint
-    from .data import load_rows
-    from .report import summary_table
-    from .run import resolve_target
-
     t0 = time.perf_counter()
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        import torch
         torch.set_num_threads(args.threads)
     resolve_target(args.kv_cache_dtype, args.strategy, args.observer)  # fail on bad flags before loading anything
     if args.percentile is not None and args.observer != "percentile":
         raise ValueError("--percentile only applies to --observer percentile")
     budget = None
     if args.auto_skip:
-        from qkv.eval.gate import parse_threshold
         budget = parse_threshold(args.max_ppl_delta or "0.2%", "--max-ppl-delta")
         if args.dataset is None:
             raise ValueError("--auto-skip needs --dataset: its held-out chunks come from the same data")
@@ -101,14 +110,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raw = load_rows(args.dataset, args.dataset_config, args.split, args.text_column)
     else:
         print("no --dataset: data-free calibration on text the model generates itself")
-    from .run import calibrate
-
     samples, heldout = None, []
     if budget is not None:  # one draw, split: the held-out chunks never reach the scales
-        from qkv.model_loader import load_tokenizer
-        from qkv.registry import resolve_model
-
-        from .data import Samples, build_samples
         both = build_samples(raw, load_tokenizer(resolve_model(args.model)), args.num_samples + args.heldout_samples,
                              args.seq_len, args.seed, args.packing)
         samples = Samples(both.chunks[:args.num_samples], dict(both.info, num_samples=args.num_samples,
@@ -116,34 +119,29 @@ def run_calibrate(args: argparse.Namespace) -> int:
         heldout = both.chunks[args.num_samples:]
     llm = None
     if budget is not None:  # one engine (unquantized cache) observes and then scores the held-out chunks
-        from .run import load_engine
-        llm = load_engine(args.model, args.dtype, num_blocks=-(-args.seq_len // 16) + 2, device=args.device,
-                          max_num_batched_tokens=max(2048, args.seq_len))
+        llm = load_engine(args.model, args.dtype, seq_len=args.seq_len, device=args.device)
     cal = calibrate(args.model, samples=samples, raw=None if samples else raw,
                     kv_cache_dtype=args.kv_cache_dtype, strategy=args.strategy,
                     observer=args.observer, percentile=args.percentile, num_samples=args.num_samples,
                     seq_len=args.seq_len, seed=args.seed, packing=args.packing, dtype=args.dtype,
                     device=args.device, progress=args.progress, rotation=args.kv_rotation, llm=llm)
     if budget is not None:
-        from .autoskip import select_skip_layers
         cal.sensitivity = select_skip_layers(llm.llm_engine, cal, heldout, budget, args.progress)
         cal.skip_layers = cal.sensitivity["skip_layers"]
     cal.wall_time_s = time.perf_counter() - t0  # dataset loading included
     write_checkpoint(cal, out, weights=args.weights, overwrite=args.overwrite)
     if cal.sensitivity is not None:
-        from .autoskip import FIGURE_FILE, plot_sensitivity
         plot_sensitivity(cal.sensitivity, f"{args.model} {cal.kv_dtype.name}/{cal.strategy}"
                          + (f"/{cal.rotation}" if cal.rotation else ""), out / FIGURE_FILE)
     if args.json:
         print((out / "calibration.json").read_text())
     else:
-        from .checkpoint import vllm_note, vllm_readable
         print(summary_table(cal))
         if cal.sensitivity is not None:
             s = cal.sensitivity
             print(f"auto-skip: keep layers {s['skip_layers'] or 'none'} in BF16 -> ppl {s['ppl_delta_pct']:+.3f}% "
                   f"on {s['heldout']['windows']} held-out chunks (budget {s['max_ppl_delta_pct']:g}%); "
-                  f"figure: {out}/sensitivity.png")
+                  f"figure: {out}/{FIGURE_FILE}")
         where = "compressed-tensors kv_cache_scheme (vLLM reads it)" if vllm_readable(cal) else \
             f"qkv_kv_cache section (qkv only: {vllm_note(cal)})"
         print(f"wrote {out} with {where}; load it with "
@@ -162,11 +160,9 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .export import export_vllm
     out, notes = export_vllm(args.src, args.output, weights=args.weights, overwrite=args.overwrite)
     for n in notes:
         print(f"note: {n}")
-    from qkv.scales import read_kv_scales
     written = read_kv_scales(out)
     skip = written.skip_layers if written else None
     flags = f" --kv-cache-dtype-skip-layers {' '.join(map(str, skip))}" if skip else ""
@@ -184,12 +180,3 @@ def register_export(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["link", "copy", "symlink"], default="link")
     p.set_defaults(func=run_export)
     return p
-
-
-def _main(argv=None) -> int:  # python -m qkv.calibrate.cli
-    from qkv.cli import main
-    return main(["calibrate", *(argv if argv is not None else __import__("sys").argv[1:])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

@@ -27,7 +27,10 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Samples", "RawData", "load_rows", "build_samples", "hub_offline_reason"]
+import datasets
+import huggingface_hub.constants as hub_constants
+
+__all__ = ["Samples", "RawData", "load_rows", "build_samples", "hub_offline_reason", "prompt_prefix"]
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _TEXT_COLUMNS = ("text", "content", "document", "sentence")
@@ -91,17 +94,7 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return kinds.pop(), [str(p) for p in files]
 
 
-def _datasets():
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError("qkv calibrate --dataset needs the `datasets` package: pip install datasets") from None
-    return datasets
-
-
 def _load_local(path: Path, split: str | None):
-    datasets = _datasets()
-
     builder, files = _local_files(path)
     kwargs = {"sample_by": "document", "encoding": "utf-8-sig"} if builder == "text" else {}
     if all(os.path.getsize(f) == 0 for f in files):
@@ -119,12 +112,9 @@ def _load_local(path: Path, split: str | None):
 
 
 def _load_hub(name: str, config: str | None, split: str | None):
-    datasets = _datasets()
-
     offline = hub_offline_reason()
     try:
         if offline:  # the local datasets cache may still have it: try it without touching the network
-            import huggingface_hub.constants as hub_constants
             saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
             datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
             try:
@@ -187,7 +177,7 @@ def load_rows(dataset: str, config: str | None = None, split: str | None = None,
     return RawData(rows, chat, info)
 
 
-def _prompt_prefix(tokenizer) -> list[int]:
+def prompt_prefix(tokenizer) -> list[int]:
     """Special tokens the tokenizer puts in front of any prompt (BOS for Gemma/Llama 2, none for SmolLM2)."""
     ids = tokenizer("", add_special_tokens=True)["input_ids"]
     return list(ids)
@@ -216,7 +206,7 @@ def build_samples(raw: RawData, tokenizer, num_samples: int, seq_len: int, seed:
         packing = "truncate" if raw.chat else "pack"
     if packing not in ("pack", "truncate"):
         raise ValueError(f"--packing must be auto, pack or truncate, got {packing!r}")
-    prefix = _prompt_prefix(tokenizer)
+    prefix = prompt_prefix(tokenizer)
     body = seq_len - len(prefix)
     rng = random.Random(seed)
     info = dict(raw.info, packing=packing, seed=seed, num_samples=num_samples, seq_len=seq_len)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from qkv.model_loader import load_config, text_config
 from qkv.scales import read_kv_scales
 
 from .checkpoint import write_checkpoint
@@ -30,7 +31,6 @@ __all__ = ["export_vllm"]
 
 
 def _num_kv_heads(src: Path) -> int:
-    from qkv.model_loader import load_config, text_config
     cfg = text_config(load_config(src))
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 

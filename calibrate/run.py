@@ -17,14 +17,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from qkv.kernels.quant import ROTATIONS, CacheDtype, resolve_cache_dtype
+from qkv.config import EngineConfig
+from qkv.kernels.quant import CacheDtype, check_rotation, hadamard_rotate, resolve_cache_dtype
+from qkv.llm import LLM
+from qkv.scoring import prefill_logits
 
-from .data import Samples
-from .observers import Observer, make_observer, scales_from_amax
+from .data import RawData, Samples, build_samples
+from .observers import MinMax, Observer, make_observer, scales_from_amax
+from .selfgen import GEN_BATCH, generate_samples
 from .stats import TensorStats, single_thread
 
-__all__ = ["Calibration", "LayerResult", "calibrate", "observe", "load_engine", "resolve_target"]
+__all__ = ["Calibration", "LayerResult", "STRATEGIES", "calibrate", "calibrate_grid", "observe", "choose_scales",
+           "load_engine", "resolve_target"]
 
 logger = logging.getLogger("qkv")
 
@@ -87,14 +93,15 @@ def resolve_target(kv_cache_dtype: str, strategy: str, observer: str = "minmax")
     return dt
 
 
-def load_engine(model: str, dtype: str = "auto", num_blocks: int = 64, device: str | None = None,
-                max_num_batched_tokens: int = 2048):
-    """An engine with an unquantized cache (the model's dtype); load failures become one-line ValueErrors."""
-    from qkv import LLM
-
+def load_engine(model: str, dtype: str = "auto", *, seq_len: int, num_seqs: int = 1, device: str | None = None):
+    """An engine with an unquantized cache (the model's dtype) for ``num_seqs`` sequences of ``seq_len``
+    tokens at once, prefilled in one chunk; load failures become one-line ValueErrors."""
+    engine_defaults = EngineConfig(model=model)
+    blocks_per_seq = -(-seq_len // engine_defaults.block_size) + 1
     try:
-        return LLM(model, dtype=dtype, kv_cache_dtype="auto", num_blocks=num_blocks, device=device,
-                   max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+        return LLM(model, dtype=dtype, kv_cache_dtype="auto", num_blocks=num_seqs * blocks_per_seq + 2,
+                   device=device, max_num_batched_tokens=max(engine_defaults.max_num_batched_tokens, seq_len),
+                   enable_prefix_caching=False)
     except Exception as e:  # UnknownModelError, CheckpointError, OSError, transformers' errors, ...
         raise ValueError(f"cannot load model {model!r}: {e}") from None
 
@@ -108,12 +115,7 @@ def observe(engine, chunks: list[list[int]], reservoir: int = 0, seed: int = 0,
     ``{rotation: stats}``): a ``hadamard`` set sees ``hadamard_rotate(K)``, exactly
     the fp32 values the rotated cache write quantizes.
     """
-    from qkv.kernels.quant import check_rotation, hadamard_rotate
-    from qkv.scoring import prefill_logits
-
     for r in rotations:
-        if r not in ROTATIONS:
-            raise ValueError(f"--kv-rotation must be one of {', '.join(ROTATIONS)}, got {r!r}")
         for spec in engine.layer_specs:
             check_rotation(r, spec.head_dim)
     sets: dict[str, dict[tuple[int, str], TensorStats]] = {r: {} for r in rotations}
@@ -130,7 +132,7 @@ def observe(engine, chunks: list[list[int]], reservoir: int = 0, seed: int = 0,
                 stats[layer_idx, "k"].update(k)
                 stats[layer_idx, "v"].update(v)
 
-    bar = _progress(len(chunks), progress)
+    bar = tqdm(total=len(chunks), desc="calibrating", unit="sample", disable=not progress)
     for chunk in chunks:
         if len(chunk) > engine.max_model_len:
             raise ValueError(f"a sample has {len(chunk)} tokens, more than the model's "
@@ -139,22 +141,6 @@ def observe(engine, chunks: list[list[int]], reservoir: int = 0, seed: int = 0,
         bar.update(1)
     bar.close()
     return sets[rotations[0]] if len(rotations) == 1 else sets
-
-
-def _progress(total: int, enabled: bool):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with transformers' hub client
-        tqdm = None
-    if tqdm is None or not enabled:
-        class _Null:
-            def update(self, n):
-                pass
-
-            def close(self):
-                pass
-        return _Null()
-    return tqdm(total=total, desc="calibrating", unit="sample")
 
 
 def choose_scales(stats: dict[tuple[int, str], TensorStats], observer: Observer, dt: CacheDtype,
@@ -179,7 +165,7 @@ def choose_scales(stats: dict[tuple[int, str], TensorStats], observer: Observer,
     return out
 
 
-def calibrate(model: str, samples: Samples | None = None, raw=None, *, kv_cache_dtype: str = "fp8",
+def calibrate(model: str, samples: Samples | None = None, raw: RawData | None = None, *, kv_cache_dtype: str = "fp8",
               strategy: str = "tensor", observer: str = "minmax", percentile: float | None = None,
               num_samples: int = 64, seq_len: int = 512, seed: int = 0, packing: str = "auto",
               dtype: str = "auto", device: str | None = None, progress: bool = True,
@@ -193,18 +179,13 @@ def calibrate(model: str, samples: Samples | None = None, raw=None, *, kv_cache_
     t0 = time.perf_counter()
     dt = resolve_target(kv_cache_dtype, strategy, observer)
     obs = make_observer(observer, percentile)
-    from .data import build_samples
-    from .selfgen import GEN_BATCH, generate_samples
-
     if samples is not None:  # ready chunks: size the engine for the longest
         if not samples.chunks:
             raise ValueError("no samples to calibrate on")
         seq_len = max(len(c) for c in samples.chunks)
-    blocks_per_seq = -(-seq_len // 16) + 1
-    batch = GEN_BATCH if samples is None and raw is None else 1
     if llm is None:  # auto-skip hands in its engine, so the model is loaded once for both
-        llm = load_engine(model, dtype, num_blocks=batch * blocks_per_seq + 2, device=device,
-                          max_num_batched_tokens=max(2048, seq_len))
+        llm = load_engine(model, dtype, seq_len=seq_len, device=device,
+                          num_seqs=GEN_BATCH if samples is None and raw is None else 1)
     engine = llm.llm_engine
     max_pos = getattr(engine.hf_config, "max_position_embeddings", None)
     if max_pos and seq_len > max_pos:
@@ -225,3 +206,35 @@ def calibrate(model: str, samples: Samples | None = None, raw=None, *, kv_cache_
                        model_dtype=str(engine.dtype).replace("torch.", ""), seed=seed,
                        wall_time_s=t2 - t0, observe_time_s=t2 - t1,
                        rotation=None if rotation == "none" else rotation)
+
+
+def calibrate_grid(model: str, raw: RawData, targets: list[tuple[str, str, str]], *, num_samples: int,
+                   seq_len: int, seed: int = 0, dtype: str = "auto", device: str | None = None,
+                   ) -> list[Calibration]:
+    """Minmax scales for every ``(kv_cache_dtype, strategy, rotation)`` in ``targets`` from one pass.
+
+    One engine observes the samples once, filling statistics for every rotation of the grid at
+    the same time; each target then gets its scales from its rotation's statistics. This is what
+    ``qkv eval --search`` calibrates with.
+    """
+    t0 = time.perf_counter()
+    dts = {(name, strategy): resolve_target(name, strategy) for name, strategy, _ in targets}  # fail early
+    rotations = tuple(dict.fromkeys(rot for _, _, rot in targets))
+    llm = load_engine(model, dtype, seq_len=seq_len, device=device)
+    engine = llm.llm_engine
+    samples = build_samples(raw, engine.tokenizer, num_samples, seq_len, seed)
+    t1 = time.perf_counter()
+    sets = observe(engine, samples.chunks, rotations=rotations, progress=False)
+    if len(rotations) == 1:
+        sets = {rotations[0]: sets}
+    obs = MinMax()
+    out = []
+    for name, strategy, rot in targets:
+        dt = dts[name, strategy]
+        out.append(Calibration(model=model, model_path=engine.model_path, kv_dtype=dt, strategy=strategy,
+                               observer=obs.describe(), layers=choose_scales(sets[rot], obs, dt, strategy),
+                               samples_info=samples.info, num_samples=len(samples.chunks),
+                               num_tokens=samples.num_tokens, model_dtype=str(engine.dtype).replace("torch.", ""),
+                               seed=seed, wall_time_s=time.perf_counter() - t0,
+                               observe_time_s=time.perf_counter() - t1, rotation=None if rot == "none" else rot))
+    return out

@@ -8,7 +8,11 @@ calibration.json records ``"source": "self-generated"`` and the prompts.
 
 from __future__ import annotations
 
-from .data import Samples, _prompt_prefix
+from tqdm.auto import tqdm
+
+from qkv.sampling import SamplingParams
+
+from .data import Samples, prompt_prefix
 
 __all__ = ["SEED_PROMPTS", "GEN_BATCH", "generate_samples"]
 
@@ -26,18 +30,14 @@ GEN_BATCH = 16  # sequences generated at once (bounds the cache the engine needs
 
 
 def generate_samples(llm, num_samples: int, seq_len: int, seed: int = 0, progress: bool = True) -> Samples:
-    from qkv.sampling import SamplingParams
-
-    from .run import _progress
-
     tok = llm.get_tokenizer()
-    prefix = _prompt_prefix(tok)
+    prefix = prompt_prefix(tok)
     prompts = []
     for i in range(num_samples):
         ids = prefix + tok(SEED_PROMPTS[i % len(SEED_PROMPTS)], add_special_tokens=False)["input_ids"]
         prompts.append(ids[: max(1, seq_len - 1)])
     chunks: list[list[int]] = []
-    bar = _progress(num_samples, progress)
+    bar = tqdm(total=num_samples, desc="generating", unit="sample", disable=not progress)
     for start in range(0, num_samples, GEN_BATCH):
         batch = prompts[start:start + GEN_BATCH]
         params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed * 1_000_003 + start + j,

@@ -1,12 +1,9 @@
 """Perplexity, KL from the baseline and top-1 agreement, each window prefilled through the engine.
 
 Every window is scored by :func:`qkv.scoring.prefill_logits` (write-then-attend
-through each configuration's paged cache). Per token ``t`` of a window:
-
-* ``nll_t = -log q(x_{t+1} | x_{<=t})`` and perplexity ``exp(sum nll / n)`` over all windows;
-* ``KL_t = sum_v p_v (log p_v - log q_v)`` with ``p`` the baseline's and ``q`` the
-  configuration's next-token distribution (mean and p99 over all tokens);
-* top-1 agreement: ``argmax p == argmax q``.
+through each configuration's paged cache) and compared token by token with
+:func:`qkv.metrics.token_metrics` (NLL, KL from the baseline, top-1 agreement);
+perplexity is ``exp(sum nll / n)`` over all windows, KL is reported as mean and p99.
 
 The perplexity delta carries a paired bootstrap confidence interval: windows are
 resampled with replacement, the same resample for the baseline and the
@@ -23,26 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from qkv.metrics import token_metrics
 from qkv.scoring import prefill_logits
 
-__all__ = ["token_metrics", "ConfigTokens", "score_windows", "summarize", "paired_bootstrap"]
+__all__ = ["ConfigTokens", "score_windows", "summarize", "paired_bootstrap"]
 
 logger = logging.getLogger("qkv.eval")
-ROWS = 256  # rows of [T, vocab] processed at a time: bounds memory for 262k-token vocabularies
-
-
-@torch.inference_mode()
-def token_metrics(base_logits: torch.Tensor, logits: torch.Tensor,
-                  targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-position ``(nll, kl, top1_agree)`` for logits ``[T, V]`` predicting ``targets [T]``."""
-    nll, kl, agree = [], [], []
-    for s in range(0, logits.shape[0], ROWS):
-        lq = torch.log_softmax(logits[s:s + ROWS].float(), dim=-1)
-        lp = torch.log_softmax(base_logits[s:s + ROWS].float(), dim=-1)
-        nll.append(-lq.gather(1, targets[s:s + ROWS, None]).squeeze(1))
-        kl.append((lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0))
-        agree.append(lp.argmax(-1) == lq.argmax(-1))
-    return torch.cat(nll).double(), torch.cat(kl).double(), torch.cat(agree)
 
 
 @dataclass

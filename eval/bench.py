@@ -32,9 +32,11 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from qkv.engine import LLMEngine
 from qkv.config import EngineConfig
+from qkv.engine import LLMEngine
+from qkv.kernels.cpu_attention import CpuKernels
 from qkv.sampling import SamplingParams
 
 from .configs import EvalConfig, parse_configs
@@ -119,8 +121,6 @@ def _hf_run(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, fl
 
 
 def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -> dict:
-    from transformers import AutoModelForCausalLM
-
     first = next(iter(engines.values()))
     hf = None
     if args.transformers:
@@ -191,8 +191,6 @@ def _kernel_build_seconds(engine: LLMEngine) -> float | None:
     """Seconds a first call spends compiling the CPU kernels (a fresh build, timed apart from the runs)."""
     if engine.backend.name != "cpu":
         return None
-    from qkv.kernels.cpu_attention import CpuKernels
-
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         CpuKernels.build(Path(tmp))

@@ -6,6 +6,10 @@ import argparse
 import shlex
 import sys
 
+from .report import verdict_lines
+from .run import EvalArgs, run_eval
+from .search import SearchArgs, run_search
+
 __all__ = ["register", "main_eval", "main_lm_eval"]
 
 
@@ -53,14 +57,15 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                                        "(replaces --configs) and recommend the smallest KV footprint within "
                                        "--max-ppl-delta")
     g.add_argument("--search", action="store_true")
-    g.add_argument("--search-dtypes", default="fp8,int8", help="static dtypes of the grid (default fp8,int8)")
-    g.add_argument("--search-strategies", default="tensor,head,channel")
-    g.add_argument("--search-rotations", default="none,hadamard")
+    grid = SearchArgs()
+    g.add_argument("--search-dtypes", default=",".join(grid.dtypes), help="static dtypes of the grid (default %(default)s)")
+    g.add_argument("--search-strategies", default=",".join(grid.strategies), help="default %(default)s")
+    g.add_argument("--search-rotations", default=",".join(grid.rotations), help="default %(default)s")
     g.add_argument("--no-search-dynamic", dest="search_dynamic", action="store_false",
                    help="leave fp8/int8_per_token_head out of the grid")
     g.add_argument("--calib-dataset", default=None,
                    help="calibration text for the grid's scales (default: the WikiText-2 validation split)")
-    g.add_argument("--calib-samples", type=int, default=64)
+    g.add_argument("--calib-samples", type=int, default=grid.calib_samples)
     g.add_argument("--calib-seq-len", type=int, default=None,
                    help="tokens per calibration sample (default: --window, so every evaluated position is seen)")
 
@@ -84,9 +89,7 @@ def _command(args: argparse.Namespace, kwargs: dict) -> str:
     return shlex.join(parts + ["--report", args.report])
 
 
-def _search(args: argparse.Namespace, eval_args) -> int:
-    from .search import SearchArgs, run_search
-
+def _search(args: argparse.Namespace, eval_args: EvalArgs) -> int:
     def split(text: str) -> tuple[str, ...]:
         return tuple(x.strip() for x in text.split(",") if x.strip())
     search = SearchArgs(split(args.search_dtypes), split(args.search_strategies), split(args.search_rotations),
@@ -114,14 +117,12 @@ def _search(args: argparse.Namespace, eval_args) -> int:
 
 
 def main_eval(args: argparse.Namespace) -> int:
-    from .run import EvalArgs, run_eval
     fields = EvalArgs.__dataclass_fields__
     kwargs = {k: v for k, v in vars(args).items() if k in fields and k != "command"}
     kwargs["command"] = _command(args, kwargs)
     if args.search:
         return _search(args, EvalArgs(**kwargs))
     r, code = run_eval(EvalArgs(**kwargs))
-    from .report import verdict_lines
     print("\n".join(verdict_lines(r)))
     if r.get("compare"):
         for f in r["compare"]["flags"]:
@@ -133,6 +134,7 @@ def main_eval(args: argparse.Namespace) -> int:
 
 def main_lm_eval(args: argparse.Namespace) -> int:
     """Register the ``qkv`` model with lm-eval, add qkv's local tasks, and hand over to lm-eval's CLI."""
+    # lm-eval is an optional extra (pip install 'qkv[lm-eval]'): imported only when this command runs
     from . import lm_eval_model
     lm_eval_model.register()
     rest = list(args.lm_eval_args)
@@ -172,8 +174,3 @@ def register(sub) -> None:
                        prefix_chars="+", add_help=False)  # every '-' argument, -h included, is lm-eval's
     p.add_argument("lm_eval_args", nargs="*")
     p.set_defaults(func=main_lm_eval)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from qkv.cli import main
-    sys.exit(main(["eval"] + sys.argv[1:]))

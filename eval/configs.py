@@ -23,7 +23,7 @@ readable in tables and figures while ``spec`` keeps the full string.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from qkv.kernels.quant import CACHE_DTYPE_NAMES, resolve_cache_dtype

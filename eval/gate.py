@@ -17,11 +17,9 @@ Accuracy and memory flags fail the gate; latency flags only warn unless
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
-__all__ = ["REPORT_KIND", "REPORT_VERSION", "parse_threshold", "verdicts", "load_compare", "compare",
-           "CompareError"]
+__all__ = ["REPORT_KIND", "REPORT_VERSION", "verdicts", "load_compare", "compare", "CompareError"]
 
 REPORT_KIND = "qkv-eval-report"
 REPORT_VERSION = 1
@@ -29,16 +27,6 @@ REPORT_VERSION = 1
 
 class CompareError(ValueError):
     """The ``--compare`` file cannot be compared with this run."""
-
-
-def parse_threshold(text: str | float | None, what: str) -> float | None:
-    """``"1.0%"`` / ``"1"`` -> 1.0; ``None`` stays ``None``."""
-    if text is None or isinstance(text, (int, float)):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*%?\s*", text)
-    if not m:
-        raise ValueError(f"{what} takes a non-negative number (e.g. 1.0% or 0.01), got {text!r}")
-    return float(m.group(1))
 
 
 def verdicts(accuracy: dict, baseline: str, max_ppl_delta: float | None, max_kl: float | None) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 import lm_eval.models  # noqa: F401  - registers the built-in models first; registering before drops them
 import torch
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
+from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
 from lm_eval import utils as lm_utils
 from tqdm import tqdm
@@ -193,7 +193,6 @@ class QKVLM(TemplateLM):
 
 def register(name: str = "qkv") -> type:
     """Register :class:`QKVLM` under ``name`` (after lm-eval's own models, which must stay)."""
-    from lm_eval.api.registry import model_registry
     if name not in model_registry or model_registry.get(name) is not QKVLM:
         register_model(name)(QKVLM)
     return QKVLM

@@ -21,6 +21,11 @@ from pathlib import Path
 
 import torch
 
+from qkv.llm import LLM
+from qkv.metrics import parse_threshold
+from qkv.model_loader import load_tokenizer
+from qkv.registry import resolve_model
+
 from . import accuracy, data, gate, latency, report, scales_table
 from .configs import EvalConfig, parse_configs
 
@@ -109,13 +114,12 @@ def _check_lengths(engines: dict, args: EvalArgs) -> None:
 
 
 def _build_engines(configs: list[EvalConfig], args: EvalArgs) -> dict:
-    from qkv.llm import LLM
     engines = {}
     shared = None  # one copy of the weights for every configuration
     for c in configs:
         logger.info("loading %s", c.label)
         llm = LLM(args.model, preloaded_model=shared, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                  max_model_len=args.max_model_len, device=args.device, seed=args.seed, **c.engine_kwargs())
+                  max_model_len=args.max_model_len, device=args.device, **c.engine_kwargs())
         engines[c.label] = llm.llm_engine
         shared = llm.llm_engine.model
     return engines
@@ -154,14 +158,12 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
     t_start = time.time()
     _validate(args)
     configs = parse_configs(args.configs)
-    max_ppl = gate.parse_threshold(args.max_ppl_delta, "--max-ppl-delta")
-    max_kl = gate.parse_threshold(args.max_kl, "--max-kl")
-    from qkv.registry import resolve_model
+    max_ppl = parse_threshold(args.max_ppl_delta, "--max-ppl-delta")
+    max_kl = parse_threshold(args.max_kl, "--max-kl")
     model_path = Path(resolve_model(args.model))
     model = model_identity(args.model, model_path)
     old = gate.load_compare(args.compare, model) if args.compare else None
     text = data.load_text(args.dataset)
-    from qkv.model_loader import load_tokenizer
     windows = data.make_windows(load_tokenizer(model_path), text.text, args.num_windows, args.window)
     engines = _build_engines(configs, args)
     _check_lengths(engines, args)

@@ -21,7 +21,11 @@ from pathlib import Path
 import torch
 
 from qkv.kernels.quant import hadamard_rotate
+from qkv.llm import LLM
 from qkv.scales import KVScales, read_kv_scales
+from qkv.scoring import prefill_logits
+
+from . import data
 
 __all__ = ["count_saturation", "main"]
 
@@ -33,8 +37,6 @@ def _shaped(scales: KVScales, layer: int, which: str, num_heads: int, head_dim: 
 
 def count_saturation(engine, windows: list[list[int]], sources: dict[str, KVScales], split_at: int) -> dict:
     """``{name: {"k": n, "v": n, "k_at_or_past_split": n, "v_at_or_past_split": n}}`` plus the total."""
-    from qkv.scoring import prefill_logits
-
     counts = {name: dict.fromkeys(("k", "v", "k_at_or_past_split", "v_at_or_past_split"), 0) for name in sources}
     total = [0]
 
@@ -66,10 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split-at", type=int, default=512)
     p.add_argument("-o", "--output", required=True)
     args = p.parse_args(argv)
-    from qkv import LLM
-
-    from . import data
-
     sources = {}
     for s in args.scales:
         sc = read_kv_scales(s)

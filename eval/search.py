@@ -29,85 +29,60 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qkv.calibrate import STRATEGIES, calibrate_grid, load_rows, write_scales_file
+from qkv.kernels.quant import ROTATIONS
+from qkv.metrics import parse_threshold
+
+from .configs import parse_config
+from .data import wikitext_valid_file
 from .run import EvalArgs, run_eval
 
-__all__ = ["SearchArgs", "run_search", "recommend", "default_calibration_file", "rerender"]
+__all__ = ["SearchArgs", "run_search", "recommend", "rerender", "STATIC_DTYPES"]
 
 logger = logging.getLogger("qkv.eval")
 DYNAMIC = ("fp8_per_token_head", "int8_per_token_head")
+STATIC_DTYPES = ("fp8", "int8")
 
 
 @dataclass
 class SearchArgs:
-    dtypes: tuple[str, ...] = ("fp8", "int8")
-    strategies: tuple[str, ...] = ("tensor", "head", "channel")
-    rotations: tuple[str, ...] = ("none", "hadamard")
+    dtypes: tuple[str, ...] = STATIC_DTYPES
+    strategies: tuple[str, ...] = STRATEGIES
+    rotations: tuple[str, ...] = ROTATIONS
     dynamic: bool = True
     calib_dataset: str | None = None
     calib_samples: int = 64
     calib_seq_len: int | None = None  # default: the eval window, so scales see every position evaluated
 
 
-def default_calibration_file() -> Path | None:
-    """The shared WikiText-2 validation split beside the test split eval uses, if present."""
-    from .data import wikitext_test_file
-    test = wikitext_test_file()
-    if test is None:
-        return None
-    cand = test.parent / "wiki.valid.tokens"
-    return cand if cand.is_file() else None
-
-
 def _check(search: SearchArgs) -> None:
-    from qkv.calibrate.run import ROTATIONS, STRATEGIES
-    bad = [d for d in search.dtypes if d not in ("fp8", "int8")]
-    bad += [s for s in search.strategies if s not in STRATEGIES]
+    """Names only, before anything loads; each layer's head_dim meets the rotation when the grid is observed."""
+    bad = [d for d in search.dtypes if d not in STATIC_DTYPES] + [s for s in search.strategies if s not in STRATEGIES]
     bad += [r for r in search.rotations if r not in ROTATIONS]
     if bad:
-        raise ValueError(f"--search grid: {bad[0]!r} is not one of dtypes fp8/int8, strategies "
-                         f"{'/'.join(STRATEGIES)}, rotations {'/'.join(ROTATIONS)}")
+        raise ValueError(f"--search grid: {bad[0]!r} is not one of dtypes {'/'.join(STATIC_DTYPES)}, "
+                         f"strategies {'/'.join(STRATEGIES)}, rotations {'/'.join(ROTATIONS)}")
     if not search.dtypes or not search.strategies or not search.rotations:
         raise ValueError("--search needs at least one dtype, strategy and rotation")
 
 
-def calibrate_grid(model: str, search: SearchArgs, out_dir: Path, dtype: str, seed: int,
-                   device: str | None) -> tuple[list[str], dict]:
+def calibrate_grid_files(model: str, search: SearchArgs, out_dir: Path, dtype: str, seed: int,
+                         device: str | None) -> tuple[list[str], dict]:
     """Observe once, write one scales file per (dtype, strategy, rotation); return eval specs and a record."""
-    from qkv.calibrate.checkpoint import write_scales_file
-    from qkv.calibrate.data import build_samples, load_rows
-    from qkv.calibrate.observers import MinMax
-    from qkv.calibrate.run import Calibration, choose_scales, load_engine, observe, resolve_target
-
-    dataset = search.calib_dataset or default_calibration_file()
+    dataset = search.calib_dataset or wikitext_valid_file()
     if dataset is None:
         raise ValueError("--search needs calibration text: pass --calib-dataset (the WikiText-2 validation "
-                         "split is used when the shared copy is present)")
+                         "split is used when a local copy is found, see qkv.data_files)")
     t0 = time.perf_counter()
-    raw = load_rows(str(dataset))
-    llm = load_engine(model, dtype, num_blocks=-(-search.calib_seq_len // 16) + 3, device=device,
-                      max_num_batched_tokens=max(2048, search.calib_seq_len))
-    engine = llm.llm_engine
-    samples = build_samples(raw, engine.tokenizer, search.calib_samples, search.calib_seq_len, seed)
-    sets = observe(engine, samples.chunks, rotations=tuple(search.rotations), progress=False)
-    if len(search.rotations) == 1:
-        sets = {search.rotations[0]: sets}
+    targets = [(name, strategy, rot) for name in search.dtypes for strategy in search.strategies
+               for rot in search.rotations]
+    cals = calibrate_grid(model, load_rows(str(dataset)), targets, num_samples=search.calib_samples,
+                          seq_len=search.calib_seq_len, seed=seed, dtype=dtype, device=device)
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = []
-    obs = MinMax()
-    for name in search.dtypes:
-        for strategy in search.strategies:
-            dt = resolve_target(name, strategy)
-            for rot in search.rotations:
-                cal = Calibration(model=model, model_path=engine.model_path, kv_dtype=dt, strategy=strategy,
-                                  observer=obs.describe(), layers=choose_scales(sets[rot], obs, dt, strategy),
-                                  samples_info=samples.info, num_samples=len(samples.chunks),
-                                  num_tokens=samples.num_tokens, model_dtype=str(engine.dtype), seed=seed,
-                                  rotation=None if rot == "none" else rot)
-                path = write_scales_file(cal, out_dir / f"{name}-{strategy}-{rot}.safetensors")
-                specs.append(f"{name}:{path}")
-    record = {"dataset": str(dataset), "samples": len(samples.chunks), "seq_len": search.calib_seq_len,
-              "tokens": samples.num_tokens, "observer": "minmax", "seconds": round(time.perf_counter() - t0, 1)}
-    del llm, engine
+    specs = [f"{name}:{write_scales_file(cal, out_dir / f'{name}-{strategy}-{rot}.safetensors')}"
+             for (name, strategy, rot), cal in zip(targets, cals)]
+    record = {"dataset": str(dataset), "samples": cals[0].num_samples, "seq_len": search.calib_seq_len,
+              "tokens": cals[0].num_tokens, "observer": "minmax", "seconds": round(time.perf_counter() - t0, 1)}
     return specs, record
 
 
@@ -141,7 +116,6 @@ def recommend(report: dict, budget: float) -> dict:
 
 
 def _flags(spec: str) -> str:
-    from .configs import parse_config
     c = parse_config(spec)
     out = f"--kv-cache-dtype {c.kv_cache_dtype}"
     if c.scales:
@@ -178,7 +152,6 @@ def search_markdown(rec: dict, model: str, calib: dict) -> str:
 
 def run_search(args: EvalArgs, search: SearchArgs) -> tuple[dict, dict, int]:
     """Calibrate the grid, evaluate it, recommend; returns (report, recommendation, exit code)."""
-    from .gate import parse_threshold
     _check(search)
     budget = parse_threshold(args.max_ppl_delta, "--max-ppl-delta")
     if budget is None:
@@ -186,7 +159,7 @@ def run_search(args: EvalArgs, search: SearchArgs) -> tuple[dict, dict, int]:
     out = Path(args.report)
     if search.calib_seq_len is None:
         search.calib_seq_len = args.window
-    static, calib = calibrate_grid(args.model, search, out / "scales", args.dtype, args.seed, args.device)
+    static, calib = calibrate_grid_files(args.model, search, out / "scales", args.dtype, args.seed, args.device)
     args.configs = grid_specs(search, static)
     args.max_ppl_delta = None  # the grid is expected to hold failures: the search reports, it does not gate
     report, _ = run_eval(args)

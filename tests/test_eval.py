@@ -11,14 +11,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-pytest.importorskip("matplotlib", reason="qkv eval needs matplotlib (pip install matplotlib)")
-pytest.importorskip("datasets", reason="qkv eval needs datasets (pip install datasets)")
-
 from qkv import LLM
 from qkv.cli import main
 from qkv.eval import accuracy, data
 from qkv.eval.configs import parse_configs
 from qkv.eval.gate import compare
+from qkv.data_files import WIKITEXT_TEST
+from qkv.metrics import token_metrics, token_nll
 from qkv.scoring import prefill_logits
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in fixed "
@@ -85,7 +84,7 @@ def run(args, capsys=None) -> int:
 def test_token_metrics_by_hand():
     base = torch.tensor([[0.0, 0.0, 0.0], [2.0, 0.0, 0.0]])
     q = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25)], [0.0, 1.0, 0.0]])
-    nll, kl, agree = accuracy.token_metrics(base, q, torch.tensor([0, 2]))
+    nll, kl, agree = token_metrics(base, q, torch.tensor([0, 2]))
     assert nll[0] == pytest.approx(-math.log(0.5))
     assert nll[1] == pytest.approx(-math.log(1 / (2 + math.e)))
     assert kl[0] == pytest.approx(1 / 3 * math.log((1 / 3) / 0.5) + 2 / 3 * math.log((1 / 3) / 0.25))
@@ -93,6 +92,7 @@ def test_token_metrics_by_hand():
     qq = np.exp([0.0, 1, 0]) / np.exp([0.0, 1, 0]).sum()
     assert kl[1] == pytest.approx(float((p * np.log(p / qq)).sum()))
     assert agree.tolist() == [True, False]
+    assert torch.equal(token_nll(q, torch.tensor([0, 2])), nll)  # auto-skip's NLL is the same numbers
 
 
 def test_ppl_kl_top1_on_tiny_model_match_hand_computation(llama, text_file):
@@ -280,9 +280,8 @@ def test_skip_sliding_window_on_tiny_gemma(tiny_dir, text_file, tmp_path):
     assert r["accuracy"]["fp8+skip=sliding_window"]["kl_mean"] < r["accuracy"]["fp8"]["kl_mean"]
 
 
-def test_wikitext_windows_when_shared_data_present():
-    if data.wikitext_test_file() is None:
-        pytest.skip("WikiText-2 not found at ../shared/data/wikitext-2/ (shared data absent)")
+def test_wikitext_windows_from_the_local_copy(data_file):
+    assert data.wikitext_test_file() == data_file(WIKITEXT_TEST)
     t = data.load_text("wikitext")
     assert "\r" not in t.text and t.text.startswith(" = Robert Boulter = \n")
     assert t.file_sha256 == "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c"

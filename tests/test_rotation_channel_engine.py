@@ -128,13 +128,13 @@ def test_rotation_flag_must_match_the_scales(ckpts, tmp_path):
     assert cfg["qkv_kv_cache"]["strategy"] == "channel"
 
 
-def test_rotation_needs_a_power_of_two_head_dim(tiny_dir, capsys):
+def test_rotation_needs_a_power_of_two_head_dim(tiny_dir, capsys, tmp_path):
     model = str(tiny_dir("llama_hd48"))
     with pytest.raises(ValueError, match="power-of-two head_dim.*48"):
         LLM(model, kv_cache_dtype="fp8", num_blocks=20, kv_rotation="hadamard")
     assert main(["calibrate", model, "--kv-cache-dtype", "int8", "--kv-rotation", "hadamard", "--num-samples", "1",
-                 "--seq-len", "16", "--no-progress", "-o", str(capsys and "/tmp/qkv-never-written")]) == 2
-    assert "power-of-two head_dim" in capsys.readouterr().err
+                 "--seq-len", "16", "--no-progress", "-o", str(tmp_path / "never-written")]) == 2
+    assert "power-of-two head_dim" in capsys.readouterr().err and not (tmp_path / "never-written").exists()
     LLM(model, kv_cache_dtype="fp8", num_blocks=20)  # without rotation the model runs
 
 
@@ -209,7 +209,7 @@ def test_auto_skip_selection(llama, tmp_path):
     for r in cal.layers:  # coarse scales: quantization visibly hurts every layer
         r.k_scale, r.v_scale = r.k_scale * 8, r.v_scale * 8
     held = _chunks(2, 40, seed=9)
-    engine = load_engine(llama, num_blocks=8).llm_engine
+    engine = load_engine(llama, seq_len=40).llm_engine
     rec = select_skip_layers(engine, cal, held, max_ppl_delta=1e9, progress=False)
     assert rec["skip_layers"] == [] and len(rec["search"]) == 1
     assert rec["ranking"] == sorted(range(3), key=lambda i: -rec["layers"][i]["kl_mean"])
@@ -268,12 +268,27 @@ def test_eval_search_recommends_the_smallest_within_budget(llama, tmp_path, caps
     static = [r for r in rec["ranked"] if r["kv_bytes_per_token"] == min(x["kv_bytes_per_token"] for x in rec["ranked"])]
     assert rec["recommended"]["config"] == min(static, key=lambda r: r["kl_mean"])["config"]
     assert "Recommended" in (rep / "search.md").read_text() and "recommended:" in capsys.readouterr().out
-    assert main(args + ["--max-ppl-delta", "0%", "--search-dtypes", "int8", "--search-strategies", "tensor",
-                        "--search-rotations", "hadamard", "--no-search-dynamic"]) in (0, 1)
+    assert main(args + ["--max-ppl-delta", "1000%", "--search-dtypes", "int8", "--search-strategies", "tensor",
+                        "--search-rotations", "hadamard", "--no-search-dynamic"]) == 0
     rec = json.loads((rep / "search.json").read_text())
-    assert [r["config"] for r in rec["ranked"]] in (["fp8", "int8:int8-tensor-hadamard"],
-                                                   ["int8:int8-tensor-hadamard", "fp8"])
+    # the same bytes per token: the order is by mean KL, which this random model decides
+    assert sorted(r["config"] for r in rec["ranked"]) == ["fp8", "int8:int8-tensor-hadamard"]
     assert main(args + ["--search-dtypes", "int4"]) == 2  # no budget and a bad grid: clear errors
+
+
+def test_search_recommends_nothing_over_budget():
+    """No configuration within the budget: no recommendation, so `qkv eval --search` exits 1 (run_search)."""
+    from qkv.eval.search import recommend, search_markdown
+
+    acc = {"bf16": {"ppl_delta_pct": 0.0}, "fp8": {"ppl_delta_pct": 0.5, "ppl_delta_pct_ci95": [0.4, 0.6],
+                                                   "kl_mean": 0.01, "top1_agreement": 0.9}}
+    report = {"baseline": "bf16", "accuracy": acc, "configs": [{"label": k, "spec": k} for k in acc],
+              "memory": {"bf16": {"kv_bytes_per_token": 4}, "fp8": {"kv_bytes_per_token": 2}}}
+    rec = recommend(report, 0.1)
+    assert rec["recommended"] is None and [r["within_budget"] for r in rec["ranked"]] == [False]
+    assert "No configuration is within the budget" in search_markdown(rec, "m", {"samples": 1, "seq_len": 8,
+                                                                                 "dataset": "t.txt"})
+    assert recommend(report, 0.5)["recommended"]["config"] == "fp8"
 
 
 def test_saturation_counts(llama, tmp_path):
@@ -285,7 +300,7 @@ def test_saturation_counts(llama, tmp_path):
     for r in cal.layers:
         r.k_scale = r.k_scale / 4
     tight = read_kv_scales(write_scales_file(cal, tmp_path / "tight.safetensors"))
-    engine = load_engine(llama, num_blocks=8).llm_engine
+    engine = load_engine(llama, seq_len=40).llm_engine
     got = count_saturation(engine, windows, {"exact": exact, "tight": tight}, split_at=20)
     assert got["values_per_tensor"] == 2 * 3 * 40 * 2 * 16  # windows x layers x tokens x kv heads x head_dim
     assert got["sources"]["exact"] == {"k": 0, "v": 0, "k_at_or_past_split": 0, "v_at_or_past_split": 0}
