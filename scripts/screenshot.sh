@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Render an eval report in headless Chromium and save a PNG of it, to check what a reader sees.
-# usage: eval/screenshot.sh REPORT_HTML OUT_PNG [WIDTHxHEIGHT]
+# usage: scripts/screenshot.sh REPORT_HTML OUT_PNG [WIDTH,HEIGHT]
 # Needs Debian's chromium (apt-get update && apt-get install -y chromium); nothing is fetched.
 set -euo pipefail
 html=$(realpath "$1")

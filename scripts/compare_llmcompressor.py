@@ -1,19 +1,19 @@
 """Check that qkv's minmax fp8 scales agree with llm-compressor's ``static_minmax`` on identical data.
 
-    python -m qkv.calibrate.compare_llmcompressor [--model smollm2-135m] [--num-samples 128]
-        [--seq-len 512] [--strategy tensor] [--lc-python /tmp/lc-venv/bin/python]
+    python scripts/compare_llmcompressor.py --lc-python LC_VENV/bin/python [--model smollm2-135m]
+        [--num-samples 128] [--seq-len 512] [--strategy tensor] [--workdir DIR]
 
 1. draws the token chunks with qkv's own data pipeline (WikiText-2 validation,
-   seed 0) and dumps them to ``WORKDIR/chunks.json``;
-2. runs llm-compressor in its own virtual environment (``--lc-python``; set it up
-   with ``python3 -m venv /tmp/lc-venv && /tmp/lc-venv/bin/pip install torch==2.13.0
-   && /tmp/lc-venv/bin/pip install llmcompressor``) through ``calibrate/lc_oneshot.py``:
-   float32 model, KV-only recipe with ``observer: static_minmax``;
+   found by :mod:`qkv.data_files`, seed 0) and dumps them to ``WORKDIR/chunks.json``;
+2. runs llm-compressor in its own virtual environment (``--lc-python`` or
+   ``$QKV_LC_PYTHON``; see scripts/README.md for setting it up) through
+   ``scripts/lc_oneshot.py``: float32 model, KV-only recipe with ``observer: static_minmax``;
 3. runs qkv's minmax observer on the same chunks with the model in float32;
 4. writes a per-layer table (scales and relative differences) to
    ``calibrate/results/llmcompressor_agreement.md``.
 
-Only the table is meant to be committed; llm-compressor's checkpoint stays in WORKDIR.
+Only the table is meant to be committed; llm-compressor's checkpoint stays in WORKDIR
+(a new temporary directory unless ``--workdir`` is given).
 """
 
 from __future__ import annotations
@@ -21,20 +21,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from qkv.calibrate import Samples, build_samples, calibrate, load_rows
+from qkv.data_files import WIKITEXT_VALID, find_data_file, not_found
+from qkv.model_loader import load_tokenizer
+from qkv.registry import resolve_model
+
 HERE = Path(__file__).resolve().parent
-DEFAULT_DATA = HERE.parent.parent / "shared" / "data" / "wikitext-2" / "wiki.valid.tokens"
+RESULTS = HERE.parent / "calibrate" / "results"
 
 
 def _lc_scales(out: Path) -> dict[tuple[int, str], torch.Tensor]:
-    import re
     name = re.compile(r"layers\.(\d+)\.self_attn\.(k|v)_scale$")
     scales = {}
     for f in sorted(out.glob("*.safetensors")):
@@ -58,30 +64,33 @@ def _lc_version(lc_python: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--dataset", default=str(DEFAULT_DATA))
+    ap.add_argument("--dataset", default=None, help=f"calibration text (default: {WIKITEXT_VALID} by qkv.data_files)")
     ap.add_argument("--num-samples", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--strategy", choices=["tensor", "head"], default="tensor")
-    ap.add_argument("--lc-python", default="/tmp/lc-venv/bin/python")
-    ap.add_argument("--workdir", default="/tmp/qkv-lc-compare")
+    ap.add_argument("--lc-python", default=os.environ.get("QKV_LC_PYTHON"),
+                    help="python of the virtual environment that has llmcompressor (default: $QKV_LC_PYTHON)")
+    ap.add_argument("--workdir", default=None, help="for chunks.json and llm-compressor's checkpoint "
+                                                    "(default: a new temporary directory)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both runs (default 1)")
     ap.add_argument("--reuse-lc", action="store_true", help="reuse llm-compressor's output in WORKDIR")
-    ap.add_argument("--output", default=str(HERE / "results" / "llmcompressor_agreement.md"))
+    ap.add_argument("--output", default=str(RESULTS / "llmcompressor_agreement.md"))
     args = ap.parse_args(argv)
-
-    from qkv.registry import resolve_model
-
-    from .data import Samples, build_samples, load_rows
-    from .run import calibrate
+    if not args.lc_python:
+        ap.error("name llm-compressor's python with --lc-python or $QKV_LC_PYTHON (see scripts/README.md)")
+    if args.reuse_lc and not args.workdir:
+        ap.error("--reuse-lc needs the --workdir of the earlier run")
+    dataset = args.dataset or find_data_file(WIKITEXT_VALID)
+    if dataset is None:
+        ap.error(f"pass --dataset: {not_found(WIKITEXT_VALID)}")
 
     torch.set_num_threads(args.threads)
-    work = Path(args.workdir)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="qkv-lc-compare-"))
     work.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model(args.model)
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(model_path))
-    samples = build_samples(load_rows(args.dataset), tok, args.num_samples, args.seq_len, args.seed)
+    tok = load_tokenizer(model_path)
+    samples = build_samples(load_rows(str(dataset)), tok, args.num_samples, args.seq_len, args.seed)
     chunks_file = work / "chunks.json"
     chunks_file.write_text(json.dumps(samples.chunks))
     print(f"[1/4] {len(samples.chunks)} chunks x {args.seq_len} tokens -> {chunks_file}")
@@ -126,7 +135,7 @@ def main(argv=None) -> int:
         f"llm-compressor (llmcompressor, compressed-tensors, transformers, torch): {_lc_version(args.lc_python)}; "
         f"KV-only recipe, `observer: static_minmax`, pipeline `basic`.",
         "",
-        f"Command: `python -m qkv.calibrate.compare_llmcompressor --model {args.model} --num-samples "
+        f"Command: `python scripts/compare_llmcompressor.py --model {args.model} --num-samples "
         f"{args.num_samples} --seq-len {args.seq_len} --strategy {args.strategy}`",
         "",
         f"**Max per-layer relative difference: {100 * worst:.4f}%** (K and V, all {len(cal.layers)} layers)"

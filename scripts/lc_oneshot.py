@@ -1,9 +1,9 @@
 """Run llm-compressor's KV-cache calibration on given token chunks (helper of compare_llmcompressor.py).
 
 This file runs inside a separate virtual environment that has ``llmcompressor``
-installed (never imported by qkv):
+installed, and imports nothing of qkv (see scripts/README.md):
 
-    /tmp/lc-venv/bin/python calibrate/lc_oneshot.py MODEL CHUNKS.json OUT --strategy tensor
+    $QKV_LC_PYTHON scripts/lc_oneshot.py MODEL CHUNKS.json OUT --strategy tensor
 
 It loads MODEL in float32, feeds the pre-tokenized chunks unchanged (no
 shuffling effect on a min/max, batch size 1), applies a KV-only recipe
@@ -15,6 +15,12 @@ import argparse
 import json
 import time
 
+import torch
+from datasets import Dataset
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -24,13 +30,6 @@ def main() -> None:
     ap.add_argument("--strategy", default="tensor", choices=["tensor", "attn_head"])
     ap.add_argument("--observer", default="static_minmax")
     args = ap.parse_args()
-
-    import torch
-    from datasets import Dataset
-    from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     chunks = json.load(open(args.chunks))
     ds = Dataset.from_dict({"input_ids": chunks, "attention_mask": [[1] * len(c) for c in chunks]})
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
