@@ -110,7 +110,7 @@ def _layers(text: str, spec: str) -> tuple:
 
 
 def parse_config(spec: str) -> EvalConfig:
-    """``"fp8:/tmp/qkv-calib/fp8-head+skip=sliding_window"`` -> :class:`EvalConfig`."""
+    """``"fp8:calib/fp8-head+skip=sliding_window"`` -> :class:`EvalConfig`."""
     text = spec.strip()
     if not text:
         raise ConfigError("empty configuration in --configs")
