@@ -143,8 +143,16 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise RequestError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}", "cache_salt")
-        if isinstance(prompt, str) and not prompt:
-            raise RequestError("prompt is empty: give at least one token", "prompt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty: give at least one token", "prompt")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"prompt holds a lone surrogate (U+{ord(prompt[e.start]):04X}) at index {e.start}, "
+                                   f"which is not valid Unicode text", "prompt") from None
+        elif not isinstance(prompt, (list, tuple)):
+            raise RequestError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}", "prompt")
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise RequestError("prompt is empty: give at least one token", "prompt")

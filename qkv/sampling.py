@@ -103,6 +103,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
 class SamplingError(Exception):
     """One row of a batch could not be sampled; :func:`sample` returns it in that row's place."""
 
@@ -116,6 +119,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
         drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False  # even when top_p is below fp32's range (rounds to 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, idx, sorted_logits)
     return logits
@@ -127,22 +131,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
     Greedy rows take the fp32 argmax, exactly what ``transformers.generate``
     does, so greedy outputs can be compared token for token. A temperature so
-    small that ``logits / temperature`` overflows is its limit, greedy. A row
-    that fails (e.g. NaN logits) yields a :class:`SamplingError` in its place,
-    so the engine can abort that request alone and keep the batch going.
+    small that ``logits / temperature`` leaves the float range is computed
+    relative to the largest logit (and below fp32's range, is greedy). A row that still fails (NaN logits) yields a
+    :class:`SamplingError` in its place, so the engine can abort that request
+    alone and keep the batch going.
     """
     logits = logits.to(torch.float32)
     out: list[int | SamplingError] = []
     greedy = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         try:
-            if p.greedy:
+            if p.greedy or p.temperature < _FP32_TINY:  # below fp32's range the limit is greedy
                 out.append(greedy[i])
                 continue
             row = logits[i] / p.temperature
-            if bool(torch.isposinf(row).any()):
-                out.append(greedy[i])
-                continue
+            if not bool(torch.isfinite(row.max())):
+                # A tiny temperature overflowed (or underflowed every logit to -inf): scale the logits
+                # relative to their maximum instead, which is the same distribution, computable.
+                row = (logits[i] - logits[i].max()) / p.temperature
             row = _filter_top_k_top_p(row, p.top_k, p.top_p)
             probs = row.softmax(-1)
             out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))

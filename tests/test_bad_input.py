@@ -42,6 +42,9 @@ def test_corrupt_checkpoint(tiny_dir, tmp_path):
     ([], "prompt is empty"),
     ([5] * 300, "prompt has 300 tokens, more than max_model_len=256"),
     ([5, 100000], "token id 100000 is outside the vocabulary"),
+    ([5, True], "token id True is outside the vocabulary"),
+    ("caf\udce9", r"prompt holds a lone surrogate \(U\+DCE9\) at index 3, which is not valid Unicode text"),
+    (b"bytes", "prompt must be a string or a list of token ids, not bytes"),
 ])
 def test_bad_request_rejected_while_others_run(llm, prompt, message):
     engine = llm.llm_engine
