@@ -105,14 +105,13 @@ def _hash_algos() -> tuple[str, ...]:
     return HASH_ALGOS
 
 
-def option(default=MISSING, help: str = "", *, choices=None, ge: int | None = None, check=None,
-           default_factory=MISSING):
+def option(default=MISSING, help: str = "", *, choices=None, ge: int | None = None, check=None):
     """A config field with what a CLI flag needs: ``help``, ``choices`` (a tuple, or a function giving one so
     that the owning module stays the one source), an inclusive lower bound ``ge``, and ``check(value)``,
     which raises ``ValueError("must ...")`` (the field name goes in front). :meth:`EngineConfig.validate`
     applies them after the type check."""
     meta = {"help": help, "choices": choices, "ge": ge, "check": check}
-    return field(default=default, default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -147,9 +146,9 @@ class EngineConfig:
     attention_backend: str | None = option(None, "default: triton on CUDA, torch elsewhere",
                                            choices=_attention_backends)
     device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda when available)", check=_device)
+    # Not read by the engine (a request's seed is SamplingParams.seed); qkv eval passes its own seed here.
     seed: int = option(0, "seed of whoever drives the engine (evaluation, calibration)")
     batch_invariant: bool = option(False, "one GEMM per sequence, so results do not depend on the batch")
-    extra: dict = option(help="free-form options of callers", default_factory=dict)
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither memory nor num_blocks is given
 
@@ -203,5 +202,4 @@ def _describe(tp) -> str:
         return " or ".join(_describe(t) for t in typing.get_args(tp))
     if origin is list:
         return f"a list of {_describe(typing.get_args(tp)[0])}"
-    return {int: "an integer", str: "a string", bool: "true or false", dict: "a dict",
-            type(None): "None"}.get(tp, tp.__name__)
+    return {int: "an integer", str: "a string", bool: "true or false", type(None): "None"}.get(tp, tp.__name__)
