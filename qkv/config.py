@@ -64,20 +64,14 @@ def _device(value: str) -> None:
 
 
 def _skip_layers(value) -> None:
-    try:
-        _, idx = parse_skip_layers(value)
-    except ValueError:
-        raise ValueError(f"must be 'sliding_window' and/or layer indices, got {value!r}") from None
+    _, idx = parse_skip_layers(value)
     if any(i < 0 for i in idx):
         raise ValueError(f"must hold layer indices >= 0, got {min(idx)}")
 
 
 def _kv_cache_dtype(value: str) -> None:
-    from .kernels.quant import CACHE_DTYPE_NAMES, resolve_cache_dtype
-    try:
-        resolve_cache_dtype(value)
-    except ValueError:
-        raise ValueError(f"must be one of {', '.join(CACHE_DTYPE_NAMES)}, got {value!r}") from None
+    from .kernels.quant import resolve_cache_dtype
+    resolve_cache_dtype(value)
 
 
 def _exists(value: str) -> None:
@@ -109,7 +103,8 @@ def option(default=MISSING, help: str = "", *, choices=None, ge: int | None = No
     """A config field with what a CLI flag needs: ``help``, ``choices`` (a tuple, or a function giving one so
     that the owning module stays the one source), an inclusive lower bound ``ge``, and ``check(value)``,
     which raises ``ValueError("must ...")`` (the field name goes in front). :meth:`EngineConfig.validate`
-    applies them after the type check."""
+    applies them after the type check. A check may also raise the owning module's own message, which then
+    follows the field name and a colon."""
     meta = {"help": help, "choices": choices, "ge": ge, "check": check}
     return field(default=default, metadata=meta)
 
@@ -176,7 +171,9 @@ class EngineConfig:
                 try:
                     meta["check"](value)
                 except ValueError as e:
-                    raise ValueError(f"{f.name} {e}") from None
+                    reason = str(e)
+                    raise ValueError(f"{f.name} {reason}" if reason.startswith("must") else f"{f.name}: {reason}") \
+                        from None
         if not self.model:
             raise ValueError("model must be a registry name or a directory, got ''")
 

@@ -161,7 +161,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert sorted(self.pool.free_queue.ids()) == list(range(1, NUM_BLOCKS))
 
 
-SETTINGS = settings(max_examples=200, stateful_step_count=50, derandomize=True, deadline=None,
+SETTINGS = settings(max_examples=200, stateful_step_count=50, derandomize=True, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 

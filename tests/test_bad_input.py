@@ -118,13 +118,15 @@ def test_sampling_params_changed_after_construction_are_refused_at_add(llm):
     (dict(kv_cache_memory="-1GiB"), "kv_cache_memory must be a size > 0 .*, got '-1GiB'"),
     (dict(kv_cache_memory=0), "kv_cache_memory must be a size > 0 .*, got 0"),
     (dict(device="tpu"), "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
-    (dict(kv_cache_dtype="fp4"), "kv_cache_dtype must be one of auto, bfloat16, fp8, .*, got 'fp4'"),
+    (dict(kv_cache_dtype="fp4"), "kv_cache_dtype: unknown kv-cache dtype 'fp4'; choose one of: auto, bfloat16, fp8,"),
     (dict(block_size=12), "block_size must be a power of two, got 12"),
     (dict(block_size="16"), "block_size must be an integer, got '16'"),
     (dict(max_num_seqs=True), "max_num_seqs must be an integer, got True"),
     (dict(num_blocks=1), "num_blocks must be >= 2, got 1"),
     (dict(kv_scales="/no/such/scales"), "kv_scales must name an existing file or directory, got '/no/such/scales'"),
-    (dict(kv_cache_dtype_skip_layers=["first"]), "kv_cache_dtype_skip_layers must be 'sliding_window' and/or"),
+    (dict(kv_cache_dtype_skip_layers=["first"]), "kv_cache_dtype_skip_layers: --kv-cache-dtype-skip-layers takes "
+                                                 "'sliding_window' or layer indices, got 'first'"),
+    (dict(kv_cache_dtype_skip_layers=[-1]), "kv_cache_dtype_skip_layers must hold layer indices >= 0, got -1"),
     (dict(prefix_caching_hash_algo="builtin"), "prefix_caching_hash_algo must be one of sha256; got 'builtin'"),
 ])
 def test_bad_engine_config_fails_before_loading(kwargs, message):
