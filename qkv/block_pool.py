@@ -7,7 +7,13 @@ The design follows vLLM v1's ``block_pool.py``:
 * Free blocks live in a doubly linked queue. The head is the least recently
   used block: allocation pops from the head, freeing appends to the tail.
 * A block whose tokens are all known gets a *block hash* (chained over the
-  prefix, see :func:`hash_block_tokens`). When its last user frees it, it stays
+  prefix, see :func:`hash_block_tokens`). A hit is used without comparing
+  tokens, so the hash must be collision resistant: it is SHA-256 over a
+  canonical byte encoding, never Python's ``hash()``, whose tuple hash of ints
+  is deterministic and invertible, so a client could craft a prompt whose
+  blocks collide with another client's (vLLM advisory GHSA-rm76-4mrf-v9r8;
+  ``scripts/find_block_hash_collision.py`` finds such blocks in a minute).
+  When its last user frees a block, it stays
   in the queue **with** its hash: it is free but still *cached*. A later request
   with the same prefix can take it back (``touch``) until allocation evicts it
   from the head of the queue. That gives LRU eviction of cached prefixes
@@ -16,23 +22,44 @@ The design follows vLLM v1's ``block_pool.py``:
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Iterable, Sequence
 
-BlockHash = int
+BlockHash = bytes
 
-__all__ = ["KVBlock", "FreeBlockQueue", "BlockPool", "hash_block_tokens", "NULL_BLOCK_ID"]
+__all__ = ["KVBlock", "FreeBlockQueue", "BlockPool", "hash_block_tokens", "NULL_BLOCK_ID", "HASH_ALGOS",
+           "DEFAULT_HASH_ALGO"]
 
 NULL_BLOCK_ID = 0
 
+# ``--prefix-caching-hash-algo`` choices (vLLM's flag). Only a cryptographic hash is offered: on this engine a
+# block hash costs about 3 µs against milliseconds per model step, so a fast non-cryptographic
+# option (vLLM's xxhash) would buy nothing and reopen the collision attack.
+HASH_ALGOS = ("sha256",)
+DEFAULT_HASH_ALGO = "sha256"
+_ROOT = bytes(32)  # the "parent" of a sequence's first block
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of one full block, chained on its parent's hash.
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b"",
+                      algo: str = DEFAULT_HASH_ALGO) -> BlockHash:
+    """SHA-256 of one full block, chained on its parent's hash (a 32-byte digest).
 
     Chaining makes a block's identity depend on the whole prefix, so two
     sequences share a block only if every token before it is the same too.
-    Python's tuple hash of ints is deterministic across processes.
+    The encoding is canonical and injective: the 32-byte parent digest (zeros
+    for a first block), the token count and every token id as big-endian
+    unsigned 32/64-bit integers, then the length of ``extra_keys`` and its bytes.
+    A request's ``cache_salt`` is the first block's extra key, so through the
+    chain it isolates every block of that request's prefix.
     """
-    return hash((parent, tuple(token_ids)))
+    if algo not in HASH_ALGOS:
+        raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, got {algo!r}")
+    h = hashlib.sha256(_ROOT if parent is None else parent)
+    h.update(struct.pack(f">I{len(token_ids)}Q", len(token_ids), *token_ids))
+    h.update(struct.pack(">I", len(extra_keys)))
+    h.update(extra_keys)
+    return h.digest()
 
 
 class KVBlock:
@@ -48,7 +75,8 @@ class KVBlock:
         self.next: KVBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        h = None if self.block_hash is None else self.block_hash[:6].hex()
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
 
 
 class FreeBlockQueue:

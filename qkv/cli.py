@@ -32,6 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable automatic prefix caching")
+    from .block_pool import DEFAULT_HASH_ALGO, HASH_ALGOS
+    p.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default=DEFAULT_HASH_ALGO,
+                   help="hash of prefix-cache blocks (vLLM's flag); a cryptographic hash, so that no client "
+                        "can make its blocks collide with another's")
     p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
                    help="default: triton on CUDA; on a CPU the fused cpu kernels (compiled on first use), "
                         "or the torch reference when no C++ compiler is found")
@@ -45,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 _ENGINE_KEYS = ("dtype", "kv_cache_dtype", "kv_scales", "kv_cache_dtype_skip_layers", "kv_rotation",
                 "kv_cache_memory",
                 "num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "enable_prefix_caching", "attention_backend", "device", "batch_invariant")
+                "enable_prefix_caching", "prefix_caching_hash_algo", "attention_backend", "device", "batch_invariant")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except (ValueError, FileNotFoundError, RegistryError) as e:  # user errors: one clear line, no traceback
+    except (ValueError, OSError, RegistryError) as e:  # user errors: one clear line, no traceback
         print(f"qkv: error: {e}", file=sys.stderr)
         return 2
 

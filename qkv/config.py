@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
 
-__all__ = ["EngineConfig", "parse_size", "parse_skip_layers"]
+__all__ = ["EngineConfig", "option", "parse_size", "parse_skip_layers"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -40,40 +44,159 @@ def parse_skip_layers(values: str | list[str | int] | None) -> tuple[bool, list[
     return sliding, idx
 
 
+def _positive_size(value: int | str) -> None:
+    try:
+        size = parse_size(value)
+    except ValueError:
+        size = None
+    if size is None or size <= 0:
+        raise ValueError(f"must be a size > 0 in bytes or with a unit like 512MiB or 2GiB, got {value!r}")
+
+
+def _power_of_two(value: int) -> None:
+    if value & (value - 1):
+        raise ValueError(f"must be a power of two, got {value}")
+
+
+def _device(value: str) -> None:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ValueError(f"must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+
+
+def _skip_layers(value) -> None:
+    _, idx = parse_skip_layers(value)
+    if any(i < 0 for i in idx):
+        raise ValueError(f"must hold layer indices >= 0, got {min(idx)}")
+
+
+def _kv_cache_dtype(value: str) -> None:
+    from .kernels.quant import resolve_cache_dtype
+    resolve_cache_dtype(value)
+
+
+def _exists(value: str) -> None:
+    if not Path(value).exists():
+        raise ValueError(f"must name an existing file or directory, got {value!r}")
+
+
+def _model_dtypes() -> tuple[str, ...]:
+    from .model_loader import _DTYPES
+    return ("auto", *_DTYPES)
+
+
+def _rotations() -> tuple[str, ...]:
+    from .kernels.quant import ROTATIONS
+    return ("auto", *ROTATIONS)
+
+
+def _attention_backends() -> tuple[str, ...]:
+    from . import attention
+    return tuple(getattr(attention, "ATTENTION_BACKENDS", ("triton", "torch")))
+
+
+def _hash_algos() -> tuple[str, ...]:
+    from .block_pool import HASH_ALGOS
+    return HASH_ALGOS
+
+
+def option(default=MISSING, help: str = "", *, choices=None, ge: int | None = None, check=None):
+    """A config field with what a CLI flag needs: ``help``, ``choices`` (a tuple, or a function giving one so
+    that the owning module stays the one source), an inclusive lower bound ``ge``, and ``check(value)``,
+    which raises ``ValueError("must ...")`` (the field name goes in front). :meth:`EngineConfig.validate`
+    applies them after the type check. A check may also raise the owning module's own message, which then
+    follows the field name and a colon."""
+    meta = {"help": help, "choices": choices, "ge": ge, "check": check}
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class EngineConfig:
-    model: str
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    kv_scales: str | None = None
-    kv_cache_dtype_skip_layers: list[str | int] | str | None = None
-    kv_rotation: str = "auto"   # qkv extension: auto (the scales' rotation) | none | hadamard
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None
-    num_blocks: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    attention_backend: str | None = None
-    device: str | None = None
-    seed: int = 0
-    batch_invariant: bool = False
-    extra: dict = field(default_factory=dict)
+    """Engine options with vLLM's names, each validated (type, range, choices) when the object is built.
+
+    Every error names the field, and comes before a model is loaded. The field
+    metadata (:func:`option`) holds what a command-line flag needs, so the
+    flags can be generated from this class.
+    """
+
+    model: str = option(help="registry name (e.g. smollm2-135m, gemma3-270m) or a local Hugging Face directory")
+    dtype: str = option("auto", "model dtype", choices=_model_dtypes)
+    kv_cache_dtype: str = option("auto", "KV-cache storage dtype", check=_kv_cache_dtype)
+    kv_scales: str | None = option(None, "calibrated checkpoint dir or scales file (qkv calibrate -o)",
+                                   check=_exists)
+    kv_cache_dtype_skip_layers: list[str | int] | str | None = option(
+        None, "keep these layers' cache unquantized: 'sliding_window' and/or layer indices", check=_skip_layers)
+    kv_rotation: str = option("auto", "qkv extension: auto (the scales' rotation), none or hadamard",
+                              choices=_rotations)
+    block_size: int = option(16, "tokens per KV block", ge=1, check=_power_of_two)
+    kv_cache_memory: int | str | None = option(None, "bytes for the KV cache, e.g. 2GiB (default 1GiB)",
+                                               check=_positive_size)
+    num_blocks: int | None = option(None, "number of KV blocks, the null block included (overrides "
+                                          "kv_cache_memory)", ge=2)
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's, capped by the cache)",
+                                       ge=1)
+    max_num_seqs: int = option(64, "most requests running at once", ge=1)
+    max_num_batched_tokens: int = option(2048, "most tokens in one step", ge=1)
+    enable_prefix_caching: bool = option(True, "automatic prefix caching")
+    prefix_caching_hash_algo: str = option("sha256", "hash of prefix-cache blocks", choices=_hash_algos)
+    attention_backend: str | None = option(None, "default: triton on CUDA, torch elsewhere",
+                                           choices=_attention_backends)
+    device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda when available)", check=_device)
+    # Not read by the engine (a request's seed is SamplingParams.seed); qkv eval passes its own seed here.
+    seed: int = option(0, "seed of whoever drives the engine (evaluation, calibration)")
+    batch_invariant: bool = option(False, "one GEMM per sequence, so results do not depend on the batch")
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither memory nor num_blocks is given
 
+    def __post_init__(self) -> None:
+        for name in ("model", "kv_scales"):  # paths are welcome where a path is meant
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        self.validate()
+
     def validate(self) -> None:
-        from .kernels.quant import ROTATIONS, resolve_cache_dtype
-        resolve_cache_dtype(self.kv_cache_dtype)  # unknown dtype: fail before loading anything
-        parse_skip_layers(self.kv_cache_dtype_skip_layers)
-        if self.kv_rotation not in ("auto", *ROTATIONS):
-            raise ValueError(f"kv_rotation must be one of auto, {', '.join(ROTATIONS)}; got {self.kv_rotation!r}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
+        """Raise ``ValueError`` naming the first field whose type, range or value is wrong."""
+        hints = typing.get_type_hints(EngineConfig)
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if not _matches(value, hints[f.name]):
+                raise ValueError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
+            if value is None:
+                continue
+            choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+            if meta["ge"] is not None and value < meta["ge"]:
+                raise ValueError(f"{f.name} must be >= {meta['ge']}, got {value}")
+            if meta["check"] is not None:
+                try:
+                    meta["check"](value)
+                except ValueError as e:
+                    reason = str(e)
+                    raise ValueError(f"{f.name} {reason}" if reason.startswith("must") else f"{f.name}: {reason}") \
+                        from None
+        if not self.model:
+            raise ValueError("model must be a registry name or a directory, got ''")
+
+
+def _matches(value, tp) -> bool:
+    """``isinstance`` for the annotations used above (unions, ``list[X]``); a bool is not an int."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, t) for t in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if tp is type(None):
+        return value is None
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(t) for t in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(tp)[0])}"
+    return {int: "an integer", str: "a string", bool: "true or false", type(None): "None"}.get(tp, tp.__name__)

@@ -15,15 +15,25 @@ from .kv_cache import KVCache, capacity_line, plan_num_blocks
 from .kv_cache_manager import KVCacheManager, cdiv
 from .model_loader import attention_layout, load_model, load_tokenizer, resolve_dtype, text_config
 from .attention import get_backend
+from .detokenizer import IncrementalDetokenizer, make_decoder
 from .runner import ModelRunner
-from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .sampling import SamplingError, SamplingParams
+from .scheduler import ScheduledSeq, Scheduler
 from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
 from .stats import EngineStats
 
-__all__ = ["LLMEngine"]
+__all__ = ["LLMEngine", "RequestError"]
 
 logger = logging.getLogger("qkv")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses. ``param`` names the request field at fault, ``code`` a machine-readable
+    reason (OpenAI's ``context_length_exceeded``), so that an API can answer with both."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class LLMEngine:
@@ -32,6 +42,8 @@ class LLMEngine:
         so that comparing many cache configurations does not load the weights many times."""
         config.validate()
         self.config = config
+        if (config.device or "").startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r}: CUDA is not available on this machine; use device='cpu'")
         from .registry import resolve_model  # pulls a registry name on first use
         self.model_path: Path = resolve_model(config.model)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -62,7 +74,8 @@ class LLMEngine:
         self.cache = KVCache(self.layer_specs, num_blocks, config.block_size, self.device, scales)
         self.block_size = config.block_size
         max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = config.max_model_len or min(max_pos, (num_blocks - 1) * self.block_size)
+        self.max_model_len = (config.max_model_len if config.max_model_len is not None
+                              else min(max_pos, (num_blocks - 1) * self.block_size))
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -70,6 +83,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, config.batch_invariant)
         self.stats = EngineStats()
         self.eos_token_ids = self._eos_ids()
+        self._decoders = {skip: make_decoder(self.tokenizer, skip) for skip in (False, True)}
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.capacity = capacity_line(self.cache, self.max_model_len)
@@ -113,32 +127,57 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Validate and queue a request. Raises ``ValueError`` before touching any engine state."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None, strict_max_tokens: bool = False) -> str:
+        """Validate and queue a request. Raises :class:`RequestError` before touching any engine state.
+
+        ``cache_salt`` isolates the request's prefix-cache blocks from requests
+        with another salt (or none). A ``max_tokens`` that does not fit in
+        ``max_model_len`` after the prompt ends the output at ``max_model_len``,
+        or, with ``strict_max_tokens`` (the HTTP server, as vLLM does), is refused.
+        """
         params = params or SamplingParams()
         params.validate()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str) and not prompt:
-            raise ValueError("prompt is empty: give at least one token")
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}", "cache_salt")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty: give at least one token", "prompt")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"prompt holds a lone surrogate (U+{ord(prompt[e.start]):04X}) at index {e.start}, "
+                                   f"which is not valid Unicode text", "prompt") from None
+        elif not isinstance(prompt, (list, tuple)):
+            raise RequestError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}", "prompt")
         token_ids = self.tokenize(prompt)
         if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            raise RequestError("prompt is empty: give at least one token", "prompt")
+        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool)
+                                            and 0 <= t < self.vocab_size)]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
-        n = len(token_ids)
-        if n > self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens, more than max_model_len={self.max_model_len}")
-        total = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
+            raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        n, limit = len(token_ids), self.max_model_len
+        if n > limit:
+            raise RequestError(f"prompt has {n} tokens, more than max_model_len={limit}", "prompt",
+                               "context_length_exceeded")
+        if strict_max_tokens and params.max_tokens is not None and n + params.max_tokens > limit:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} does not fit: the prompt has {n} tokens and max_model_len={limit}, "
+                f"so max_tokens can be at most {limit - n}", "max_tokens", "context_length_exceeded")
+        total = limit if params.max_tokens is None else min(n + params.max_tokens, limit)
         need = cdiv(total, self.block_size)
         if need > self.pool.num_usable_blocks:
-            raise ValueError(
+            raise RequestError(
                 f"request needs {need} KV blocks ({total} tokens) but the cache has only "
-                f"{self.pool.num_usable_blocks}; raise --kv-cache-memory/--num-blocks or lower max_tokens")
-        seq = Sequence(request_id, token_ids, params, self.block_size,
-                       prompt if isinstance(prompt, str) else None, arrival_time)
+                f"{self.pool.num_usable_blocks}; raise --kv-cache-memory/--num-blocks or lower max_tokens",
+                "max_tokens" if cdiv(n, self.block_size) <= self.pool.num_usable_blocks else "prompt")
+        detok = IncrementalDetokenizer(*self._decoders[params.skip_special_tokens])
+        seq = Sequence(request_id, token_ids, params, self.block_size, prompt if isinstance(prompt, str) else None,
+                       arrival_time, cache_salt, self.config.prefix_caching_hash_algo, detok)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -158,42 +197,76 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, and return outputs of sequences that advanced."""
+        """Schedule, run one forward, sample, and return outputs of sequences that advanced.
+
+        A failure is contained: a request whose sampling or output handling
+        raises is aborted with an ``error`` (finish_reason ``abort``) and its
+        blocks are freed, while the rest of the batch goes on; if the forward
+        itself fails, every request of the step is aborted that way.
+        """
         sched = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
         self.stats.num_alloc_failures = self.scheduler.num_alloc_failures
         if sched.empty:
             self._update_gauges()
             return []
-        new_tokens = iter(self.runner.execute(sched, self.block_size))
+        samples = [item.samples for item in sched.scheduled]  # before num_computed_tokens moves
+        try:
+            new_tokens = iter(self.runner.execute(sched, self.block_size))
+        except Exception as e:  # noqa: BLE001 - contained: the engine keeps serving
+            logger.exception("the forward pass failed; aborting the %d requests of this step", len(samples))
+            outputs = [self._fail(item.seq, f"the forward pass failed: {type(e).__name__}: {e}")
+                       for item in sched.scheduled]
+            self._update_gauges()
+            return outputs
         now = time.monotonic()
         outputs = []
-        for item in sched.scheduled:
-            seq = item.seq
-            samples = item.samples
-            seq.num_computed_tokens += item.num_new_tokens
-            self.kv_manager.cache_blocks(seq)
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                self.stats.prompt_tokens += item.num_new_tokens
-            if not samples:
-                continue
-            seq.append_token(next(new_tokens))
-            self.stats.generation_tokens += 1
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-                self.stats.ttfts.append(now - seq.metrics.arrival_time)
-            self._check_stop(seq)
-            if seq.finished:
-                self.scheduler.finish(seq, seq.status)
-                seq.metrics.finished_time = now
-                self.requests.pop(seq.request_id, None)
-                tpot = seq.metrics.tpot(len(seq.output_token_ids))
-                if tpot is not None:
-                    self.stats.tpots.append(tpot)
-            outputs.append(self._output(seq))
+        for item, sampled in zip(sched.scheduled, samples):
+            token = next(new_tokens) if sampled else None  # taken first, so a failure cannot shift the rest
+            try:
+                out = self._advance(item, token, now)
+            except SamplingError as e:  # the sampler's own report: the reason is all there is to say
+                logger.error("request %s failed; aborting it: %s", item.seq.request_id, e)
+                out = self._fail(item.seq, str(e))
+            except Exception as e:  # noqa: BLE001
+                logger.exception("request %s failed; aborting it", item.seq.request_id)
+                out = self._fail(item.seq, f"{type(e).__name__}: {e}")
+            if out is not None:
+                outputs.append(out)
         self.stats.num_steps += 1
         self._update_gauges()
         return outputs
+
+    def _advance(self, item: ScheduledSeq, token, now: float) -> RequestOutput | None:
+        """Account one scheduled sequence's forward and, if it sampled, its new token."""
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens
+        self.kv_manager.cache_blocks(seq)
+        if seq.num_computed_tokens <= seq.num_prompt_tokens:
+            self.stats.prompt_tokens += item.num_new_tokens
+        if token is None:
+            return None
+        if isinstance(token, Exception):  # the sampler's error for this row
+            raise token
+        seq.append_token(token)
+        self.stats.generation_tokens += 1
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        self._check_stop(seq)
+        if seq.finished:
+            self.scheduler.finish(seq, seq.status)
+            seq.metrics.finished_time = now
+            self.requests.pop(seq.request_id, None)
+        return self._output(seq)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """Abort ``seq`` because the engine failed on it; its output carries ``error``."""
+        seq.error = error
+        if not seq.finished:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        seq.metrics.finished_time = time.monotonic()
+        self.requests.pop(seq.request_id, None)
+        return self._output(seq)
 
     def _update_gauges(self) -> None:
         self.stats.num_running = len(self.scheduler.running)
@@ -203,28 +276,41 @@ class LLMEngine:
         self.stats.prefix_cache_hits = self.kv_manager.prefix_hits
 
     def _check_stop(self, seq: Sequence) -> None:
+        """Detokenize the new token and decide whether the sequence is done; O(1) in the output length.
+
+        Stop strings are searched only where they can newly occur: in the text
+        added since the last search, plus the ``len(stop) - 1`` characters
+        before it.
+        """
         p = seq.params
         last = seq.output_token_ids[-1]
         n_out = len(seq.output_token_ids)
-        seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+        detok = seq.detokenizer
+        detok.step(seq.output_token_ids)
+        seq.output_text = detok.text
         if n_out >= p.min_tokens:
             if not p.ignore_eos and last in self.eos_token_ids:
                 seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-            if last in p.stop_token_ids:
+            elif last in p.stop_token_ids:
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, last
-                return
-            for s in p.stop:
-                at = seq.output_text.find(s)
-                if at != -1:
-                    seq.output_text = seq.output_text[:at]
-                    seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, s
-                    return
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
+            else:
+                checked = seq.stop_checked if detok.append_only else 0
+                for s in p.stop:
+                    at = seq.output_text.find(s, max(0, checked - len(s) + 1))
+                    if at != -1:
+                        seq.output_text = seq.output_text[:at]
+                        seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, s
+                        return
+                seq.stop_checked = len(seq.output_text)
+        if not seq.finished and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                                 or seq.num_tokens >= self.max_model_len):
             seq.status = SequenceStatus.FINISHED_LENGTH
+        if seq.finished:  # the text of an unfinished last character too, as a full decode gives it
+            detok.flush(seq.output_token_ids)
+            seq.output_text = detok.text
 
     def _output(self, seq: Sequence) -> RequestOutput:
         comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason(),
-                                seq.stop_reason)
+                                seq.stop_reason, seq.error)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp], seq.finished,
                              seq.metrics, seq.metrics.num_cached_tokens)

@@ -24,15 +24,17 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.prefix_queries = 0  # tokens looked up in the prefix cache
-        self.prefix_hits = 0     # tokens found there
+        self.prefix_queries = 0  # prompt tokens of admitted requests, looked up in the prefix cache
+        self.prefix_hits = 0     # tokens of those found there
 
     def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
         """The longest run of cached full blocks that starts the sequence.
 
         At least one token is always left to compute: the step must produce
         logits for the last token, so a fully cached prompt gives back its last
-        block (vLLM does the same).
+        block (vLLM does the same). A pure lookup: the scheduler may look a
+        request up many times before blocks are free to admit it, so the
+        metrics are counted by :meth:`record_admission`, once.
         """
         if not self.enable_prefix_caching:
             return []
@@ -43,9 +45,18 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += seq.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits
+
+    def record_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
+        """Count a request's prefix-cache query and hits when it is first admitted.
+
+        Re-admission after a preemption recomputes a request that was already
+        counted; like vLLM, which keeps those in separate counters, it is left
+        out of the query and hit counts (it shows in the preemption count).
+        """
+        if self.enable_prefix_caching and seq.metrics.num_preemptions == 0:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += num_hit_tokens
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:
@@ -65,24 +76,30 @@ class KVCacheManager:
             self.pool.touch(computed_blocks)
             seq.blocks.extend(computed_blocks)
             seq.num_computed_tokens = num_computed
+            seq.num_cached_blocks = len(seq.blocks)  # hits are published already
             seq.metrics.num_cached_tokens = num_computed
         if need > 0:
             seq.blocks.extend(self.pool.get_new_blocks(need))
         return True
 
     def cache_blocks(self, seq: Sequence) -> None:
-        """Publish every block whose tokens are all computed (call after the step's forward)."""
+        """Publish the blocks whose tokens became all computed (call after the step's forward).
+
+        Resumes at ``seq.num_cached_blocks``, so a long sequence costs the same per step as a short one.
+        """
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
-        for i in range(num_full):
+        for i in range(seq.num_cached_blocks, num_full):
             self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so its prefix stays cached longest."""
         self.pool.free_blocks(reversed(seq.blocks))
         seq.blocks = []
         seq.num_computed_tokens = 0
+        seq.num_cached_blocks = 0
 
     @property
     def hit_rate(self) -> float:

@@ -27,6 +27,9 @@ class LLM:
 
         A prompt is a string or a list of token ids. If any prompt is invalid,
         nothing is queued: every prompt is validated before the first runs.
+        A request the engine fails on comes back aborted, with ``outputs[0].error``
+        set; if the loop itself is interrupted (an exception, Ctrl-C), every
+        request still running is aborted, so the engine is left clean.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -39,16 +42,17 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
         ids: list[str] = []
+        final: dict[str, RequestOutput] = {}
         try:
             for p, sp in zip(prompts, params):
                 ids.append(engine.add_request(p, sp))
-        except Exception:
+            while len(final) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
             for rid in ids:
-                engine.abort_request(rid)
+                if rid not in final:
+                    engine.abort_request(rid)
             raise
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out
         return [final[i] for i in ids]

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["SamplingParams", "SamplingError", "sample", "SEED_MIN", "SEED_MAX"]
+
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def _is_int(x) -> bool:
+    """An integer (numpy's too), but not a bool: ``top_k=True`` is a mistake, not 1."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _bad(name: str, want: str, value) -> ValueError:
+    return ValueError(f"{name} must be {want}, got {value!r}")
 
 
 @dataclass
@@ -16,6 +33,11 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k`` of 0 or -1 disables top-k. A ``seed``
     gives the request its own generator, so its samples do not depend on what
     else is batched with it.
+
+    Every field is checked, type and range, when the object is built, and the
+    error names the field: a bad value must fail here, in the caller's hands,
+    not inside an engine step where other requests share the batch. The engine
+    checks again when a request is added, in case a field was changed since.
     """
 
     n: int = 1
@@ -33,29 +55,59 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         self.validate()
+        # Plain Python numbers from here on (numpy scalars are accepted above).
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.n, self.top_k, self.min_tokens = int(self.n), int(self.top_k), int(self.min_tokens)
+        self.seed = None if self.seed is None else int(self.seed)
+        self.max_tokens = None if self.max_tokens is None else int(self.max_tokens)
+        self.stop_token_ids = [int(i) for i in self.stop_token_ids]
 
     def validate(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1, got {self.n} (parallel sampling is not supported)")
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or >= 1, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        """Raise ``ValueError`` naming the first field that has a wrong type or value."""
+        if not _is_int(self.n) or self.n != 1:
+            raise ValueError(f"n must be 1, got {self.n!r} (parallel sampling is not supported)")
+        t = self.temperature
+        if not _is_real(t) or not math.isfinite(t) or t < 0:
+            raise _bad("temperature", "a finite number >= 0 (0 is greedy)", t)
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise _bad("top_p", "a number in (0, 1]", self.top_p)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _bad("top_k", "an integer >= -1 (0 or -1 disables)", self.top_k)
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise _bad("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}] or None", self.seed)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", "an integer >= 1 or None", self.max_tokens)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise _bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(i) and i >= 0 for i in self.stop_token_ids):
+            raise _bad("stop_token_ids", "a list of integers >= 0", self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, "true or false", getattr(self, name))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+class SamplingError(Exception):
+    """One row of a batch could not be sampled; :func:`sample` returns it in that row's place."""
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -67,26 +119,39 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the top token always stays.
         drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False  # even when top_p is below fp32's range (rounds to 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, idx, sorted_logits)
     return logits
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+           generators: list[torch.Generator | None]) -> list[int | SamplingError]:
     """Pick one token per row of ``logits`` ([N, vocab]).
 
     Greedy rows take the fp32 argmax, exactly what ``transformers.generate``
-    does, so greedy outputs can be compared token for token.
+    does, so greedy outputs can be compared token for token. A temperature so
+    small that ``logits / temperature`` leaves the float range is computed
+    relative to the largest logit (and below fp32's range, is greedy). A row that still fails (NaN logits) yields a
+    :class:`SamplingError` in its place, so the engine can abort that request
+    alone and keep the batch going.
     """
     logits = logits.to(torch.float32)
-    out: list[int] = []
+    out: list[int | SamplingError] = []
     greedy = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if p.greedy:
-            out.append(greedy[i])
-            continue
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+        try:
+            if p.greedy or p.temperature < _FP32_TINY:  # below fp32's range the limit is greedy
+                out.append(greedy[i])
+                continue
+            row = logits[i] / p.temperature
+            if not bool(torch.isfinite(row.max())):
+                # A tiny temperature overflowed (or underflowed every logit to -inf): scale the logits
+                # relative to their maximum instead, which is the same distribution, computable.
+                row = (logits[i] - logits[i].max()) / p.temperature
+            row = _filter_top_k_top_p(row, p.top_k, p.top_p)
+            probs = row.softmax(-1)
+            out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+        except Exception as e:  # noqa: BLE001 - reported per request by the engine
+            out.append(SamplingError(f"sampling failed: {type(e).__name__}: {e}"))
     return out

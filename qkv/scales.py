@@ -74,26 +74,37 @@ def _tensor_files(path: Path, qkv_section: dict | None) -> list[Path]:
     if path.is_file():
         return [path]
     if qkv_section is not None:
-        return [path / qkv_section.get("scales_file", QKV_SCALES_FILE)]
+        return [path / str(qkv_section.get("scales_file", QKV_SCALES_FILE))]
     return sorted(path.glob("*.safetensors"))
 
 
-def read_kv_scales(path: str | Path) -> KVScales | None:
-    """Scales stored in a checkpoint directory or a ``.safetensors`` file; ``None`` if it has none."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"--kv-scales {path}: no such file or directory")
-    config: dict = {}
-    if path.is_dir() and (path / "config.json").exists():
-        config = json.loads((path / "config.json").read_text())
-    scheme, section = _scheme(config)
+def _read_config(path: Path, flag: str) -> dict:
+    """``config.json`` of a checkpoint directory ({} if there is none); errors name the flag and the file."""
+    f = path / "config.json"
+    if not path.is_dir() or not f.exists():
+        return {}
+    try:
+        config = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{flag} {path}: cannot read {f}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{flag} {path}: {f} must hold a JSON object, not {type(config).__name__}")
+    qc = config.get("quantization_config")
+    sections = (("quantization_config", qc), (QKV_SECTION, config.get(QKV_SECTION)),
+                ("kv_cache_scheme", qc.get("kv_cache_scheme") if isinstance(qc, dict) else None))
+    for key, value in sections:
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{flag} {path}: '{key}' in {f} must be a JSON object, not {type(value).__name__}")
+    return config
+
+
+def _read_tensors(f: Path, flag: str, path: Path, want_meta: bool) -> tuple[dict, dict, dict]:
+    """K and V scale tensors of one safetensors file (and its metadata); a corrupt file names the flag and file."""
     k: dict[int, torch.Tensor] = {}
     v: dict[int, torch.Tensor] = {}
-    file_meta: dict = {}
-    for f in _tensor_files(path, section):
+    try:
         with safe_open(str(f), framework="pt") as fh:
-            if path.is_file():  # a bare scales file describes itself in its safetensors metadata
-                file_meta = dict(fh.metadata() or {})
+            meta = dict(fh.metadata() or {}) if want_meta else {}
             for name in fh.keys():
                 m = _NAME.search(name)
                 if not m:
@@ -104,6 +115,32 @@ def read_kv_scales(path: str | Path) -> KVScales | None:
                     k[layer] = t
                 if which in ("v_scale", "kv_scale"):
                     v[layer] = t
+    except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, torch's dtype errors: all say "bad file"
+        where = f"{flag} {path}" + ("" if f == path else f": {f}")
+        raise ValueError(f"{where}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    return k, v, meta
+
+
+def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | None:
+    """Scales stored in a checkpoint directory or a ``.safetensors`` file; ``None`` if it has none.
+
+    ``flag`` says where ``path`` came from (``--kv-scales`` or the model argument), so that every error
+    about a missing, unreadable or corrupt file names both the flag and the file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{flag} {path}: no such file or directory")
+    config = _read_config(path, flag)
+    scheme, section = _scheme(config)
+    k: dict[int, torch.Tensor] = {}
+    v: dict[int, torch.Tensor] = {}
+    file_meta: dict = {}
+    for f in _tensor_files(path, section):
+        # a bare scales file describes itself in its safetensors metadata
+        fk, fv, meta = _read_tensors(f, flag, path, want_meta=path.is_file())
+        k.update(fk)
+        v.update(fv)
+        file_meta = meta or file_meta
     if not k and not v:
         return None
     src = section or scheme or file_meta
@@ -113,6 +150,8 @@ def read_kv_scales(path: str | Path) -> KVScales | None:
     rotation = src.get("rotation") or None
     rotation = None if rotation == "none" else rotation
     skip = src.get("skip_layers")
+    if skip is not None and not isinstance(skip, (str, list)):
+        raise ValueError(f"{flag} {path}: skip_layers must be a list or a string, not {type(skip).__name__}")
     if isinstance(skip, str):  # safetensors metadata holds strings: "3,7" / "sliding_window,3"
         skip = [x for x in skip.replace(",", " ").split()]
     skip = [int(x) if str(x).isdigit() else x for x in skip] if skip else None
@@ -146,7 +185,7 @@ KV_ROTATION_CHOICES = ("auto", *ROTATIONS)
 
 
 def _load(model_path: Path, kv_scales: str | None) -> KVScales | None:
-    scales = read_kv_scales(kv_scales) if kv_scales is not None else read_kv_scales(model_path)
+    scales = read_kv_scales(kv_scales) if kv_scales is not None else read_kv_scales(model_path, "model")
     if kv_scales is not None and scales is None:
         raise ValueError(f"--kv-scales {kv_scales} holds no k_scale/v_scale tensors")
     return scales

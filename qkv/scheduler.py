@@ -105,6 +105,7 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, n, hits):
                 self.num_alloc_failures += 1
                 break
+            self.kv.record_admission(seq, cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if seq.metrics.first_scheduled_time is None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .block_pool import BlockHash, KVBlock, hash_block_tokens
+from .block_pool import DEFAULT_HASH_ALGO, BlockHash, KVBlock, hash_block_tokens
+from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams
 
 __all__ = ["SequenceStatus", "Sequence", "CompletionOutput", "RequestOutput", "RequestMetrics"]
@@ -53,6 +54,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why the engine aborted the request (finish_reason "abort"), if it failed
 
 
 @dataclass
@@ -72,22 +74,36 @@ class Sequence:
     ``num_computed_tokens`` counts tokens whose K/V are in the cache. Prefill
     (also after preemption, which recomputes prompt *and* generated tokens)
     advances it in chunks; each decode step advances it by one.
+
+    Per token, the work is constant: token lists and block hashes are appended
+    to, never rebuilt, and ``num_cached_blocks`` tells the KV manager where
+    publishing full blocks resumes. ``cache_salt`` enters the first block's
+    hash, so requests with different salts never share a cached block.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 block_size: int, prompt: str | None = None, arrival_time: float | None = None) -> None:
+                 block_size: int, prompt: str | None = None, arrival_time: float | None = None,
+                 cache_salt: str | None = None, hash_algo: str = DEFAULT_HASH_ALGO,
+                 detokenizer: IncrementalDetokenizer | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self._all_token_ids = list(self.prompt_token_ids)
         self.params = params
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.blocks: list[KVBlock] = []
         self.num_computed_tokens = 0
+        self.num_cached_blocks = 0  # leading blocks already published in the prefix cache
         self.block_hashes: list[BlockHash] = []
+        self.cache_salt = cache_salt
+        self.hash_algo = hash_algo
+        self.detokenizer = detokenizer
         self.output_text = ""
+        self.stop_checked = 0       # output_text before this offset was searched for stop strings
         self.stop_reason: str | int | None = None
+        self.error: str | None = None
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -96,11 +112,12 @@ class Sequence:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output ids: the sequence's own list, to read and not to modify."""
+        return self._all_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self._all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -116,16 +133,18 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         """Extend the chained hashes to every block that is now full of known tokens."""
-        tokens = self.all_token_ids
+        tokens = self._all_token_ids
         bs = self.block_size
         while (len(self.block_hashes) + 1) * bs <= len(tokens):
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+            extra = b"" if i or self.cache_salt is None else self.cache_salt.encode("utf-8", "surrogatepass")
+            self.block_hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra, self.hash_algo))
 
     def finish_reason(self) -> str | None:
         return self.status.value if self.finished else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["EngineStats", "StatsLogger"]
 
@@ -22,8 +22,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_steps: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    tpots: list[float] = field(default_factory=list)
+    # No per-request history here: a server runs for weeks. Latency distributions are
+    # Prometheus histograms (``qkv.server.metrics``); each request's own are in its RequestMetrics.
 
     @property
     def prefix_cache_hit_rate(self) -> float:

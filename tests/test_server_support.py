@@ -6,6 +6,7 @@ different thread counts, and two single-threaded processes share two cores well.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -98,13 +99,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` as {series with labels: value}."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
 
     def metric(self, name: str, **labels) -> float:
         """Sum of the series of family ``name`` whose labels include ``labels``."""
@@ -196,3 +191,32 @@ def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100])."""
     s = sorted(values)
     return s[max(0, min(len(s), math.ceil(q / 100 * len(s))) - 1)]
+
+
+@contextlib.asynccontextmanager
+async def running_app(path: str, engine: dict | None = None, **app_kw):
+    """The app in-process (httpx's ASGI transport) on the model at ``path``: yields (client, AsyncEngine)."""
+    from qkv.config import EngineConfig
+    from qkv.engine import LLMEngine
+    from qkv.server.app import build_app
+    from qkv.server.async_engine import AsyncEngine
+    from qkv.server.metrics import ServerMetrics
+
+    llm_engine = LLMEngine(EngineConfig(model=path, **(engine or {"dtype": "float32", "num_blocks": 64})))
+    metrics = ServerMetrics("tiny")
+    async_engine = AsyncEngine(llm_engine, metrics, log_stats=False)
+    app = build_app(async_engine, ["tiny"], metrics, max_model_len=llm_engine.max_model_len, **app_kw)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=600) as client:
+            yield client, async_engine
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {series with labels: value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

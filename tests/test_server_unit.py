@@ -6,17 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import httpx
 import pytest
 
 from qkv import LLM, SamplingParams
-from qkv.config import EngineConfig
-from qkv.engine import LLMEngine
-from qkv.server.app import build_app, kv_report
-from qkv.server.async_engine import AsyncEngine
-from qkv.server.metrics import ServerMetrics
+from qkv.server.app import kv_report
 from qkv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from qkv.server.serving import TextDeltas
+from test_server_support import running_app
 
 
 def test_text_deltas_hold_back_stop_prefixes_and_partial_characters():
@@ -48,11 +44,15 @@ def test_parse_request_errors():
     assert req.single_prompt() == "one"
     sp = req.sampling_params(req.max_tokens)
     assert (sp.temperature, sp.top_k, sp.max_tokens) == (0.0, 5, 16)
-    for bad, param in (({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"top_p": 0}, "top_p")):
+    for bad, param in (({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 3, "max_tokens": 2},
+                                                                             "min_tokens")):
         r = parse_request(CompletionRequest, {"prompt": "x", **bad})
         with pytest.raises(APIError) as e:
             r.sampling_params(r.max_tokens)
         assert e.value.param == param
+    with pytest.raises(APIError) as e:  # the range is checked by the request model itself
+        parse_request(CompletionRequest, {"prompt": "x", "top_p": 0})
+    assert (e.value.status, e.value.param) == (400, "top_p")
     chat = parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_completion_tokens": 7})
     assert chat.template_messages() == [{"role": "user", "content": "ab"}]
@@ -63,18 +63,6 @@ def test_parse_request_errors():
 def tiny(tmp_path_factory):
     from tiny_models import make_tiny_model
     return str(make_tiny_model("llama", tmp_path_factory.mktemp("srv") / "llama"))
-
-
-@contextlib.asynccontextmanager
-async def running_app(path: str, **kw):
-    engine = LLMEngine(EngineConfig(model=path, dtype="float32", num_blocks=64))
-    metrics = ServerMetrics("tiny")
-    async_engine = AsyncEngine(engine, metrics, log_stats=False)
-    app = build_app(async_engine, ["tiny"], metrics, max_model_len=engine.max_model_len, **kw)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            yield client, async_engine
 
 
 def test_async_engine_abort_frees_blocks(tiny):

@@ -1,9 +1,16 @@
-"""The FastAPI app: routes, API-key check, body-size limit and OpenAI-shaped errors."""
+"""The FastAPI app: routes, API-key check, body-size limit and OpenAI-shaped errors.
+
+No request can make the app answer 500 or drop its connection: client errors
+are 4xx before any work starts (:mod:`.body`, :mod:`.protocol`), and
+:class:`ContainErrors` turns anything unexpected into one logged 500 instead
+of letting the exception reach uvicorn, which would log a traceback and, with
+it, may close the keep-alive connection.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import time
@@ -14,32 +21,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from .async_engine import AsyncEngine
+from .body import read_json
 from .metrics import ServerMetrics
 from .protocol import APIError, error_body
 from .serving import OpenAIServing
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "kv_report"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "kv_report", "ContainErrors"]
 
 logger = logging.getLogger("qkv.server")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 OPEN_PATHS = ("/health", "/version", "/metrics")  # reachable without the API key, as in vLLM
-
-
-async def read_json(request: Request, limit: int) -> object:
-    """The body as JSON, or an :class:`APIError`: 413 past ``limit`` bytes, 400 if it is not JSON."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 class APIKeyMiddleware:
@@ -65,6 +57,41 @@ def _error(status: int, message: str, type: str = "invalid_request_error", param
     return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
+class ContainErrors:
+    """Outermost pure-ASGI layer: an exception never leaves the app.
+
+    Starlette's own catch-all re-raises after answering 500, and uvicorn then
+    logs a traceback per request and may drop the connection. Here an
+    unexpected exception is logged once and answered with an OpenAI-shaped 500
+    (if nothing was sent yet). A request task that uvicorn cancels, because it
+    outlived ``--shutdown-timeout``, ends quietly with one log line.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            logger.warning("request %s %s cancelled at shutdown", scope.get("method"), scope.get("path"))
+        except Exception as e:  # noqa: BLE001 - a bug of ours: one 500, the connection stays usable
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                resp = _error(500, f"internal error: {type(e).__name__}", "server_error", code=500)
+                await resp(scope, receive, send)
+
+
 def build_app(engine: AsyncEngine, model_names: list[str], metrics: ServerMetrics, *,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               max_model_len: int | None = None, model_root: str | None = None) -> FastAPI:
@@ -82,6 +109,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], metrics: ServerMetric
 
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(ContainErrors)  # added last: the outermost of the app's own layers
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -90,13 +118,9 @@ def build_app(engine: AsyncEngine, model_names: list[str], metrics: ServerMetric
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind,
+        # scope["path"], not request.url: building a URL parses the Host header, which a client controls.
+        return _error(exc.status_code, f"{request.method} {request.scope.get('path', '')}: {exc.detail}", kind,
                       code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code=500)
 
     @app.get("/health")
     async def health():

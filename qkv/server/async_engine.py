@@ -76,7 +76,11 @@ class AsyncEngine:
         self._thread.start()
 
     async def stop(self, timeout: float = 30.0) -> None:
-        """Abort whatever is left, then end the engine thread."""
+        """Abort whatever is left, then end the engine thread.
+
+        Every request still running gets ``EngineDeadError("the server is shutting down")``: a stream
+        ends with an error event and ``[DONE]``, a plain request with a 503.
+        """
         if self._thread is None:
             return
         self._cmds.put(_Cmd("stop"))
@@ -88,13 +92,17 @@ class AsyncEngine:
 
     # -- requests (asyncio side) -------------------------------------------------
     async def add(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                  arrival_time: float | None = None) -> asyncio.Queue:
-        """Queue a request; raises the engine's ``ValueError`` if it rejects it."""
+                  arrival_time: float | None = None, **options) -> asyncio.Queue:
+        """Queue a request; raises the engine's ``ValueError`` if it rejects it.
+
+        ``options`` go to ``LLMEngine.add_request`` (``cache_salt``, ``strict_max_tokens``).
+        """
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         fut = self._loop.create_future()
         out: asyncio.Queue = asyncio.Queue()
-        self._cmds.put(_Cmd("add", request_id, (prompt, params, arrival_time or time.monotonic(), out), fut))
+        args = (prompt, params, arrival_time or time.monotonic(), out, options)
+        self._cmds.put(_Cmd("add", request_id, args, fut))
         try:
             await fut
         except asyncio.CancelledError:
@@ -196,11 +204,11 @@ class AsyncEngine:
     def _apply(self, cmd: _Cmd) -> None:
         engine = self.engine
         if cmd.kind == "add":
-            prompt, params, arrival, out = cmd.args
+            prompt, params, arrival, out, options = cmd.args
             try:
                 if callable(prompt):
                     prompt = prompt(engine)
-                engine.add_request(prompt, params, request_id=cmd.request_id, arrival_time=arrival)
+                engine.add_request(prompt, params, request_id=cmd.request_id, arrival_time=arrival, **options)
             except Exception as e:  # noqa: BLE001 - ValueError is the client's; others go back too
                 self._resolve(cmd.future, exc=e)
                 return

@@ -43,8 +43,8 @@ _GAUGES = {
     "kv_cache_usage_perc": "Fraction of KV-cache blocks held by requests (1 = full).",
 }
 _COUNTERS = {
-    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
-    "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache, once per admitted request.",
+    "prefix_cache_hits": "Prompt tokens found in the prefix cache, once per admitted request.",
     "num_preemptions": "Preemptions (recompute) since start.",
     "prompt_tokens": "Prefill tokens computed (prefix-cache hits excluded).",
     "generation_tokens": "Generated tokens.",

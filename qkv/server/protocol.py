@@ -1,17 +1,19 @@
 """OpenAI request bodies (pydantic) and the OpenAI error shape.
 
 Fields are validated strictly: a string where a number belongs is a 400, not a
-silent coercion. Unknown fields are ignored, as OpenAI-compatible servers do.
-Besides OpenAI's fields, the vLLM extensions ``top_k``, ``ignore_eos``,
-``min_tokens``, ``stop_token_ids`` and ``skip_special_tokens`` are accepted
+silent coercion, and numbers are checked against the ranges OpenAI and vLLM
+use (``temperature`` 0 to 2, finite; ``seed`` a signed 64-bit integer).
+Unknown fields are ignored, as OpenAI-compatible servers do. Besides OpenAI's
+fields, the vLLM extensions ``top_k``, ``ignore_eos``, ``min_tokens``,
+``stop_token_ids``, ``skip_special_tokens`` and ``cache_salt`` are accepted
 (the ``openai`` client sends them through ``extra_body``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..sampling import SamplingParams
 
@@ -32,7 +34,27 @@ class APIError(Exception):
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """OpenAI's error object. Text that echoes client input is made encodable (a lone surrogate becomes
+    the six characters ``\\ud800``), so rendering an error can never fail in its turn."""
+    return {"error": {"message": printable(message), "type": type, "param": printable(param), "code": code}}
+
+
+def printable(text):
+    """``text`` with anything UTF-8 cannot encode backslash-escaped; other values unchanged."""
+    if not isinstance(text, str):
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _finite(ge: float | None = None, le: float | None = None, gt: float | None = None):
+    return Annotated[float, Field(ge=ge, le=le, gt=gt, allow_inf_nan=False)]
+
+
+_INT64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]
 
 
 class _Strict(BaseModel):
@@ -46,10 +68,10 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: _finite(ge=0, le=2) | None = None  # OpenAI's range
+    top_p: _finite(gt=0, le=1) | None = None
     top_k: int | None = None
-    seed: int | None = None
+    seed: _INT64 | None = None  # vLLM's range
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int | None = None
@@ -58,10 +80,11 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: _finite(ge=-2, le=2) | None = None
+    frequency_penalty: _finite(ge=-2, le=2) | None = None
     logprobs: bool | int | None = None
     user: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM: isolates this tenant's prefix cache
 
     def check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -86,9 +109,13 @@ class _SamplingFields(_Strict):
                 min_tokens=self.min_tokens,
                 skip_special_tokens=self.skip_special_tokens,
             )
-        except ValueError as e:
+        except ValueError as e:  # SamplingParams' messages start with the field's name
             first = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=first if first in type(self).model_fields else None) from None
+            raise APIError(400, str(e), param=self.param_name(first)) from None
+
+    def param_name(self, field: str | None) -> str | None:
+        """The request field a sampling field came from (None if it is not one)."""
+        return field if field in type(self).model_fields else None
 
     @property
     def include_usage(self) -> bool:
@@ -153,6 +180,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def param_name(self, field: str | None) -> str | None:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().param_name(field)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

@@ -13,9 +13,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from ..engine import RequestError
 from ..sequence import RequestOutput
 from .async_engine import AsyncEngine, EngineDeadError
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
 __all__ = ["OpenAIServing"]
 
@@ -62,6 +63,18 @@ def _finish_reason(out: RequestOutput) -> str | None:
     return out.outputs[0].finish_reason if out.finished else None
 
 
+def _failure(out: RequestOutput) -> APIError | None:
+    """The engine aborted this request because it failed on it (a bug of ours, so a 500)."""
+    error = out.outputs[0].error
+    return None if error is None else APIError(500, f"the engine failed on this request: {error}",
+                                               type="server_error", code=500)
+
+
+def _dead(e: EngineDeadError) -> APIError:
+    """The engine stopped (shutdown, or it died): 503, the request may be retried elsewhere."""
+    return APIError(503, str(e), type="service_unavailable", code=503)
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
         self.engine = engine
@@ -74,7 +87,8 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.model_names:
             return self.model_name if name is None else name
-        raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.model_names)}",
+        shown = name if len(name) <= 200 else name[:200] + "..."
+        raise APIError(404, f"The model `{shown}` does not exist. Served: {', '.join(self.model_names)}",
                        param="model", code="model_not_found")
 
     # -- entry points ---------------------------------------------------------
@@ -108,16 +122,18 @@ class OpenAIServing:
                      chat: bool) -> Response:
         arrival = time.monotonic()
         try:
-            q = await self.engine.add(rid, prompt, params, arrival)
+            # strict_max_tokens: a max_tokens past the context is a 400, as in vLLM, not silently clamped.
+            q = await self.engine.add(rid, prompt, params, arrival, cache_salt=req.cache_salt,
+                                      strict_max_tokens=True)
         except EngineDeadError as e:
-            raise APIError(503, str(e), type="service_unavailable", code=503) from None
-        except ValueError as e:
-            msg = str(e)
-            code = "context_length_exceeded" if "max_model_len" in msg else None
-            param = prompt_param if ("prompt" in msg or code) else None
-            raise APIError(400, msg, param=param, code=code) from None
+            raise _dead(e) from None
+        except RequestError as e:
+            param = prompt_param if e.param == "prompt" else req.param_name(e.param) or e.param
+            raise APIError(400, str(e), param=param, code=e.code) from None
+        except ValueError as e:  # e.g. no chat template
+            raise APIError(400, str(e), param=prompt_param) from None
         except Exception as e:  # e.g. a chat template that rejects the roles given
-            raise APIError(400, f"cannot build the prompt: {e}", param=prompt_param) from None
+            raise APIError(400, f"cannot build the prompt: {type(e).__name__}: {e}", param=prompt_param) from None
         outputs = self.engine.outputs(rid, q)
         created = int(time.time())
         if req.stream:
@@ -130,6 +146,9 @@ class OpenAIServing:
         final = await _until_done_or_disconnect(request, outputs)
         if final is None:  # client left: the request was aborted
             return Response(status_code=499)
+        failure = _failure(final)
+        if failure is not None:
+            raise failure
         comp = final.outputs[0]
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": comp.text},
@@ -149,6 +168,9 @@ class OpenAIServing:
         async with contextlib.aclosing(outputs):
             try:
                 async for out in outputs:
+                    if _failure(out) is not None:
+                        yield _sse(_failure(out).body())
+                        break
                     text = deltas(out.outputs[0].text, out.finished)
                     if text or out.finished:
                         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(out)}
@@ -156,7 +178,7 @@ class OpenAIServing:
                     if out.finished and include_usage:
                         yield _sse({**base, "choices": [], "usage": _usage(out)})
             except EngineDeadError as e:
-                yield _sse(error_body(str(e), "server_error", None, 500))
+                yield _sse(_dead(e).body())
         yield _sse("[DONE]")
 
     async def _chat_stream(self, outputs: AsyncIterator[RequestOutput], rid: str, model: str,
@@ -173,6 +195,9 @@ class OpenAIServing:
         async with contextlib.aclosing(outputs):
             try:
                 async for out in outputs:
+                    if _failure(out) is not None:
+                        yield _sse(_failure(out).body())
+                        break
                     text = deltas(out.outputs[0].text, out.finished)
                     if text:
                         yield chunk({"content": text}, None)
@@ -181,7 +206,7 @@ class OpenAIServing:
                         if include_usage:
                             yield _sse({**base, "choices": [], "usage": _usage(out)})
             except EngineDeadError as e:
-                yield _sse(error_body(str(e), "server_error", None, 500))
+                yield _sse(_dead(e).body())
         yield _sse("[DONE]")
 
 
@@ -214,4 +239,4 @@ async def _until_done_or_disconnect(request: Request, outputs: AsyncIterator[Req
     try:
         return work.result()
     except EngineDeadError as e:
-        raise APIError(500, str(e), type="server_error", code=500) from None
+        raise _dead(e) from None
