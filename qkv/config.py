@@ -90,8 +90,8 @@ def _rotations() -> tuple[str, ...]:
 
 
 def _attention_backends() -> tuple[str, ...]:
-    from . import attention
-    return tuple(getattr(attention, "ATTENTION_BACKENDS", ("triton", "torch")))
+    from .attention import ATTENTION_BACKENDS
+    return ATTENTION_BACKENDS
 
 
 def _hash_algos() -> tuple[str, ...]:
@@ -138,7 +138,8 @@ class EngineConfig:
     max_num_batched_tokens: int = option(2048, "most tokens in one step", ge=1)
     enable_prefix_caching: bool = option(True, "automatic prefix caching")
     prefix_caching_hash_algo: str = option("sha256", "hash of prefix-cache blocks", choices=_hash_algos)
-    attention_backend: str | None = option(None, "default: triton on CUDA, torch elsewhere",
+    attention_backend: str | None = option(None, "default: triton on CUDA; on a CPU the fused cpu kernels, "
+                                           "or the torch reference when no C++ compiler is found",
                                            choices=_attention_backends)
     device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda when available)", check=_device)
     # Not read by the engine (a request's seed is SamplingParams.seed); qkv eval passes its own seed here.

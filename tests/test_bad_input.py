@@ -114,7 +114,7 @@ def test_sampling_params_changed_after_construction_are_refused_at_add(llm):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_model_len=0), "max_model_len must be >= 1, got 0"),
     (dict(dtype="int4"), "dtype must be one of auto, bfloat16, .*; got 'int4'"),
-    (dict(attention_backend="cuda"), "attention_backend must be one of triton, torch; got 'cuda'"),
+    (dict(attention_backend="cuda"), "attention_backend must be one of cpu, torch, triton; got 'cuda'"),
     (dict(kv_cache_memory="-1GiB"), "kv_cache_memory must be a size > 0 .*, got '-1GiB'"),
     (dict(kv_cache_memory=0), "kv_cache_memory must be a size > 0 .*, got 0"),
     (dict(device="tpu"), "device must be 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
