@@ -41,7 +41,7 @@ from pathlib import Path
 ARCHS = (80, 89, 90, 100)
 RESULTS = Path(__file__).resolve().parent / "results" / "compile.json"
 
-__all__ = ["ARCHS", "specializations", "compile_one", "run", "main"]
+__all__ = ["ARCHS", "specializations", "compile_one", "run", "to_json", "main"]
 
 
 def _options_kwargs(launch_kwargs: dict) -> dict:
@@ -74,19 +74,20 @@ def specializations(launches: list, arch: int) -> list[dict]:
             "kernel": launch.name,
             "module": kernel.fn.__module__,
             "arch": arch,
-            "signature": signature,
+            "signature": {k: v for k, v in signature.items() if v != "constexpr"},
+            "_signature": signature,
             "constexprs": {names[path[0]]: value for path, value in constexprs.items()},
             "attrs": {names[path[0]]: value for path, value in attrs.items()},
             "num_warps": options.num_warps,
             "num_stages": options.num_stages,
-            "programs": launch.programs,
             "_constexprs": [[list(p), v] for p, v in constexprs.items()],
             "_attrs": [[list(p), v] for p, v in attrs.items()],
             "_options": options.__dict__,
         }
-        key = json.dumps({k: spec[k] for k in ("kernel", "signature", "constexprs", "attrs", "_options")},
-                         sort_keys=True, default=str)
+        key = json.dumps({"kernel": spec["kernel"], "signature": signature, "constexprs": spec["constexprs"],
+                          "attrs": spec["attrs"], "_options": spec["_options"]}, sort_keys=True, default=str)
         spec["id"] = hashlib.sha1(key.encode()).hexdigest()[:12]
+        spec["divisible_by_16"] = sorted(n for n, a in spec.pop("attrs").items() if ["tt.divisibility", 16] in a)
         seen.setdefault(key, spec)
     return list(seen.values())
 
@@ -147,7 +148,7 @@ def compile_one(spec: dict) -> dict:
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
-            compiled = triton.compile(ASTSource(kernel, spec["signature"], constexprs, attrs),
+            compiled = triton.compile(ASTSource(kernel, spec["_signature"], constexprs, attrs),
                                       target=GPUTarget("cuda", spec["arch"], 32), options=spec["_options"])
     except Exception as e:  # noqa: BLE001 - every failure is a result to report
         out.update(ok=False, error=f"{type(e).__name__}: {str(e).strip()[-600:]}",
@@ -209,6 +210,13 @@ def run(archs: tuple[int, ...] = ARCHS, jobs: int = 2) -> dict:
     }
 
 
+def to_json(report: dict) -> str:
+    """The report with one line per specialization (a diff then shows which ones changed)."""
+    head = json.dumps({k: v for k, v in report.items() if k != "results"}, indent=1)
+    rows = ",\n".join(json.dumps(r, separators=(",", ":"), default=str) for r in report["results"])
+    return head[:-2] + ',\n "results": [\n' + rows + "\n ]\n}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(RESULTS))
@@ -221,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(tuple(args.arch or ARCHS), args.jobs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    out.write_text(to_json(report))
     s = report["summary"]
     for arch, v in report["per_arch"].items():
         print(f"{arch}: {v['specializations']} specializations, {v['failures']} failures, {v['spills']} spills, "

@@ -117,8 +117,9 @@ def check_split(context: int, device: str, shape) -> dict:
             split = triton_paged_attention(**args).float()
         whole = triton_paged_attention(**args, num_sms=1).float()
         err = ((split - whole).abs().max() / whole.abs().max()).item()
+        # bf16 outputs: one rounding step of bf16 is 2**-8 of the value, so 1e-2 allows a few
         out[name] = {"programs": launches[0].programs, "grid": launches[0].grid, "max_rel_err": err,
-                     "ok": err < 1e-3 and bool(torch.isfinite(split).all())}
+                     "ok": err < 1e-2 and bool(torch.isfinite(split).all())}
     return out
 
 

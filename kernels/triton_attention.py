@@ -6,7 +6,7 @@ queries are the last ``q_len`` of its ``seq_lens[s]`` context tokens, and query
 ``i`` sits at position ``seq_lens[s] - q_len + i``. One kernel covers prefill
 (with or without a cached prefix), decode and mixed batches.
 
-Launch grid: ``(num_tiles, num_kv_heads)``. A tile is up to ``BLOCK_Q`` consecutive
+Launch grid: ``(num_tiles, num_kv_heads, num_segments)``. A tile is up to ``BLOCK_Q`` consecutive
 query tokens of one sequence; the host builds a per-program map ``tile -> (seq,
 tile index in seq)``, so no program is wasted on padding in a mixed batch. A
 program handles *all* ``GROUP = Hq / Hkv`` query heads of its kv head (GQA without
@@ -23,7 +23,10 @@ in registers. qkv's per-channel static scales (``CHANNEL``) are folded instead:
 the K scale into the query tile once per program (``q . (k_q * s_k) = (q * s_k) . k_q``)
 and the V scale into the output (``sum p (v_q * s_v) = s_v * sum p v_q``). With
 ``ROTATE`` the query tile is Hadamard-rotated after loading and the output
-rotated back before the store (:mod:`.triton_hadamard`).
+rotated back before the store (:mod:`.triton_hadamard`). Tiles come from
+:mod:`.triton_tiles`; fp32 queries at head_dim 256 (``Q_CHUNK < HEAD_DIM``) are rotated
+and K-scaled by the launcher and read chunk by chunk, so they never sit in registers whole.
+``BLOCK_SIZE`` (the paged block size) is a constexpr, so slot arithmetic is shifts.
 
 fp8 caches are decoded by the GPU's conversion where it has one (sm_89+,
 ``FP8_NATIVE``); on sm_80 the launcher passes the cache as ``uint8`` and the bytes are

@@ -35,11 +35,11 @@ def attention_tiles(group: int, max_q_len: int, head_dim: int, q_bytes: int, rot
     in-register Hadamard transform of the query and the output (``rotate``), and fp32
     queries, whose three-pass TF32 dots split every operand in two. sm_80/sm_89 have no
     wgmma, so both dot operands live in registers there: they take smaller query tiles.
-    head_dim 256 and fp32 take smaller tiles and 8 warps (4 on sm_80/sm_89, where ptxas
-    caps an 8-warp head_dim-256 kernel at 128 registers and spills); fp32 at head_dim 256 reads
-    the query in chunks of 64 inside the loop, because a whole ``16 x 256`` fp32 query
-    tile split for TF32 needs more registers than a thread has. The interpreter
-    (``arch=None``) uses the sm_90 tiles.
+    head_dim 256 takes 16 x 16 tiles and 4 warps: with 8 warps ptxas caps the kernel at 128
+    registers (two CTAs per SM) and spills a few bytes. fp32 takes small tiles and 8 warps;
+    at head_dim 256 it reads the query in chunks of 64 inside the loop, because a whole
+    ``16 x 256`` fp32 query tile split for TF32 needs more registers than a thread has.
+    The interpreter (``arch=None``) uses the sm_90 tiles.
     """
     mma_v2 = arch is not None and arch < 90
     if q_bytes >= 4:
@@ -49,7 +49,7 @@ def attention_tiles(group: int, max_q_len: int, head_dim: int, q_bytes: int, rot
     elif head_dim <= 128:
         max_rows, block_n, num_warps = (32 if mma_v2 else 64), 32, 4
     else:
-        max_rows, block_n, num_warps = (16 if rotate or mma_v2 else 32), 16, (4 if mma_v2 else 8)
+        max_rows, block_n, num_warps = 16, 16, 4
     if head_dim <= 32:  # tiny heads (tests): wide key tiles, few loop iterations
         block_n = 4096 // head_dim
     block_m = max(16, triton.next_power_of_2(group))
