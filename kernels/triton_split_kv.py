@@ -29,7 +29,7 @@ import triton.language as tl
 from .launch import launch
 from .triton_hadamard import fwht_rows
 
-__all__ = ["num_kv_segments", "merge_segments", "MIN_KEYS_PER_SEGMENT", "MAX_SEGMENTS"]
+__all__ = ["num_kv_segments", "merge_segments", "partial_buffers", "MIN_KEYS_PER_SEGMENT", "MAX_SEGMENTS"]
 
 MIN_KEYS_PER_SEGMENT = 256
 MAX_SEGMENTS = 64

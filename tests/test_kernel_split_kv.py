@@ -48,7 +48,8 @@ def _decode_scenario(name, seq_lens, hq, hkv, d, granularity="head", rotate=Fals
 
 
 def _run(sc, **kw):
-    """Triton output and its recorded launches (the kernels run)."""
+    """Triton output and its recorded launches (the kernels run), split for an H200's 132 SMs on any device."""
+    kw.setdefault("num_sms", 132)
     dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in sc.items()}
     with capture(execute=True) as launches:
         out = triton_paged_attention(**dev, **kw).cpu()
