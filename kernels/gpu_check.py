@@ -1,21 +1,24 @@
-"""GPU check for the Triton kernels: run their tests compiled, then benchmark paged decode attention.
+"""GPU check for the Triton kernels: their tests compiled, split-KV on a GPU, decode attention vs the roofline.
 
-Usage on a CUDA machine (finishes in a few minutes on one H100/H200)::
+One command for the first session that is lent a CUDA device (about 5 minutes on one
+H200, 8 at most)::
 
-    python -m qkv.kernels.gpu_check --out kernels/results
+    python -m qkv.kernels.gpu_check            # writes kernels/results/gpu_check.{json,md}
 
-1. Runs ``tests/test_kernel_cache_write.py``, ``tests/test_kernel_attention.py`` and
-   ``tests/test_kernel_rotation_channel.py`` with ``TRITON_INTERPRET`` unset, so the kernels are compiled for the GPU
-   (bit-exact cache bytes vs torch, attention within 1e-3).
-2. Times paged *decode* attention (one query token per sequence) at 1k, 8k and
-   32k context for a BF16 and an FP8 (e4m3, per-head scales) cache, and FP8 with
-   Hadamard rotation and per-channel scales (qkv's extensions), Llama-3-8B
-   shaped heads (32 query heads, 8 kv heads, head_dim 128), and torch SDPA on
-   contiguous BF16 K/V as the yardstick. Reports time and effective GB/s (bytes
-   of K/V, scales included, read once per call).
+1. **Kernel tests, compiled**: every ``tests/test_kernel_*.py`` except the CPU-only compile
+   check and this script's own dry run, with ``TRITON_INTERPRET`` unset, one process per
+   file in parallel (bit-exact cache bytes, attention vs the reference, sm_80 paths).
+2. **Split-KV on the GPU**: a batch-1 decode at 32,768 tokens with 8 kv heads, split
+   (as launched) against the same call forced to one segment.
+3. **Decode attention** for bf16, fp8 e4m3 and int8 caches at 1k, 8k and 32k context and
+   batch 1, 16 and 64 (Llama-3-8B heads: 32 query, 8 kv, head_dim 128, random block
+   tables): the launches' kernel time (captured launches replayed), the whole launcher
+   call, the fraction of the HBM roofline (:mod:`.roofline`: bytes / 4.8 TB/s / time),
+   programs launched, and torch SDPA on a contiguous bf16 cache at the same points.
 
-``--dry-run`` runs step 2 with tiny contexts on the CPU under the Triton
-interpreter, to check the script itself where no GPU is available.
+Each part's results are written as soon as it finishes, and a part that fails records
+its error without losing the others. ``--dry-run`` runs everything on the CPU under the
+Triton interpreter with tiny sizes (CI runs it); its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -27,131 +30,226 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "kernels" / "results"
+CPU_ONLY_TESTS = ("test_kernel_compile.py", "test_kernel_gpu_check.py")
 
 
-def run_kernel_tests() -> dict:
+def run_kernel_tests(dry_run: bool, timeout_s: float) -> list[dict]:
+    """Each kernel test file in its own pytest process, all at once (compiling is CPU-bound)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "tests/test_kernel_cache_write.py", "tests/test_kernel_attention.py",
-           "tests/test_kernel_rotation_channel.py"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-    return {"command": " ".join(cmd[2:]), "returncode": proc.returncode,
-            "seconds": round(time.perf_counter() - t0, 1), "tail": tail}
+    files = sorted(p.name for p in (ROOT / "tests").glob("test_kernel_*.py") if p.name not in CPU_ONLY_TESTS)
+    extra = ["-k", "segment_heuristic"] if dry_run else []  # the dry run checks the plumbing only
+    if dry_run:
+        env["TRITON_INTERPRET"], files = "1", ["test_kernel_split_kv.py"]
+
+    def one(name: str) -> dict:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{name}", *extra]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+            rc, text = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+            text = text.decode() if isinstance(text, bytes) else text
+        return {"file": name, "returncode": rc, "seconds": round(time.perf_counter() - t0, 1),
+                "tail": text.strip().splitlines()[-12:]}
+
+    with ThreadPoolExecutor(len(files)) as pool:
+        return list(pool.map(one, files))
 
 
-def _time(fn, device: str, iters: int) -> float:
-    """Median milliseconds per call."""
+def _time_ms(fn, device: str, iters: int) -> float:
+    """Median milliseconds per call (CUDA events on a GPU)."""
     fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
             b.record()
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b))
-    else:
-        times = []
-        for _ in range(iters):
+        else:
             t0 = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - t0) * 1000)
-    times.sort()
-    return times[len(times) // 2]
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
-def bench_decode(contexts: list[int], batch: int, device: str, iters: int) -> list[dict]:
+def _decode_inputs(name: str, context: int, batch: int, shape, device: str, seed: int = 0) -> dict:
+    """A paged cache of random content (no NaN bytes) with shuffled blocks, and one query per sequence."""
     from .quant import resolve_cache_dtype
-    from .reference import write_kv_cache
+
+    dt = resolve_cache_dtype(name)
+    hq, hkv, d, bs = shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.block_size
+    blocks = batch * -(-context // bs)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    cache = torch.empty(blocks + 1, 2, bs, hkv, d, device=device, dtype=dt.storage)
+    if dt.kind == "int":
+        cache.view(torch.int8).random_(-127, 128)
+    else:
+        cache.view(dt.storage).copy_(torch.randn(cache.shape, device=device).to(dt.storage))
+    tables = (torch.randperm(blocks, generator=g) + 1).view(batch, -1).to(device=device, dtype=torch.int32)
+    scales = torch.full((hkv,), 0.02, device=device) if dt.quantized else None
+    return dict(query=torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), kv_cache=cache,
+                block_tables=tables, seq_lens=torch.full((batch,), context, device=device, dtype=torch.int32),
+                query_start_loc=torch.arange(batch + 1, device=device, dtype=torch.int32), dt=dt,
+                k_scale=scales, v_scale=scales, scale_cache=None, sm_scale=d ** -0.5)
+
+
+def check_split(context: int, device: str, shape) -> dict:
+    """Split decode (as launched) vs the same call on one segment, batch 1."""
+    from .launch import capture
     from .triton_attention import triton_paged_attention
 
-    hq, hkv, d, bs = 32, 8, 128, 16
-    rows = []
-    for ctx in contexts:
-        blocks_per_seq = ctx // bs
-        num_blocks = batch * blocks_per_seq + 1
-        g = torch.Generator(device="cpu").manual_seed(ctx)
-        perm = torch.randperm(num_blocks - 1, generator=g) + 1
-        tables = perm.view(batch, blocks_per_seq).to(torch.int32).to(device)
-        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-        qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
-        k = torch.randn(batch, hkv, ctx, d, device=device, dtype=torch.bfloat16)
-        v = torch.randn(batch, hkv, ctx, d, device=device, dtype=torch.bfloat16)
-        slots = (tables.long()[:, :, None] * bs + torch.arange(bs, device=device)).reshape(batch, ctx)
-        row = {"context": ctx, "batch": batch}
-        for label, name, rotate, channel in (("bfloat16", "bfloat16", False, False),
-                                             ("fp8_e4m3", "fp8_e4m3", False, False),
-                                             ("fp8_e4m3+hadamard+channel", "fp8_e4m3", True, True)):
-            dt = resolve_cache_dtype(name)
-            cache = torch.zeros(num_blocks, 2, bs, hkv, d, dtype=dt.storage, device=device)
-            ks = vs = torch.full((hkv, d) if channel else (hkv,), 0.01, device=device) if dt.quantized else None
-            for s in range(batch):  # fill the cache with the reference writer (setup, not timed)
-                write_kv_cache(k[s].transpose(0, 1), v[s].transpose(0, 1), cache, slots[s], dt, ks, vs,
-                               rotate=rotate)
+    out = {}
+    for name in ("bfloat16", "fp8_e4m3", "int8"):
+        args = _decode_inputs(name, context, 1, shape, device, seed=1)
+        with capture(execute=True) as launches:
+            split = triton_paged_attention(**args).float()
+        whole = triton_paged_attention(**args, num_sms=1).float()
+        err = ((split - whole).abs().max() / whole.abs().max()).item()
+        # bf16 outputs: one rounding step of bf16 is 2**-8 of the value, so 1e-2 allows a few
+        out[name] = {"programs": launches[0].programs, "grid": launches[0].grid, "max_rel_err": err,
+                     "ok": err < 1e-2 and bool(torch.isfinite(split).all())}
+    return out
 
-            def call(cache=cache, dt=dt, ks=ks, vs=vs, rotate=rotate):
-                return triton_paged_attention(q, cache, tables, seq_lens, qsl, dt, ks, vs, None, d ** -0.5,
-                                              rotate=rotate)
 
-            ms = _time(call, device, iters)
-            nbytes = 2 * batch * ctx * hkv * d * dt.itemsize
-            row[label] = {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6, 1)}
+def bench_decode(contexts, batches, device: str, iters: int, shape, gpu, emit) -> None:
+    """Times every (cache, context, batch) point and calls ``emit(row)`` after each one."""
+    from .launch import capture
+    from .roofline import decode_bytes
+    from .triton_attention import triton_paged_attention
 
-        def sdpa():
-            return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+    for context in contexts:
+        for batch in batches:
+            for name in ("bfloat16", "fp8_e4m3", "int8"):
+                row = {"cache": name, "context": context, "batch": batch}
+                try:
+                    args = _decode_inputs(name, context, batch, shape, device)
+                    with capture(execute=True) as launches:
+                        out = triton_paged_attention(**args)
+                    row["finite"] = bool(torch.isfinite(out).all())
+                    segments = launches[0].grid[2]
+                    row.update(segments=segments, programs=launches[0].programs)
 
-        ms = _time(sdpa, device, iters)
-        row["sdpa_contiguous_bf16"] = {"ms": round(ms, 4), "GB/s": round(2 * batch * ctx * hkv * d * 2 / ms / 1e6, 1)}
-        row["fp8_speedup_vs_bf16_paged"] = round(row["bfloat16"]["ms"] / row["fp8_e4m3"]["ms"], 3)
-        row["bf16_paged_vs_sdpa"] = round(row["sdpa_contiguous_bf16"]["ms"] / row["bfloat16"]["ms"], 3)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
+                    def kernels(launches=launches):  # the captured launches, replayed: kernel time only
+                        for la in launches:
+                            la.kernel[la.grid](*la.args, **la.kwargs)
+
+                    row["kernel_ms"] = _time_ms(kernels, device, iters)
+                    row["call_ms"] = _time_ms(lambda args=args: triton_paged_attention(**args), device, iters)
+                    nbytes = decode_bytes(name, context, batch, shape, segments)["total"]
+                    row["roofline_ms"] = nbytes / gpu.hbm_bytes_per_s * 1e3
+                    row["fraction_of_hbm"] = row["roofline_ms"] / row["kernel_ms"]
+                    del args, out
+                except Exception as e:  # noqa: BLE001 - one failing point must not lose the others
+                    row["error"] = f"{type(e).__name__}: {e}"
+                emit(row)
+            try:
+                q = torch.randn(batch, shape.num_q_heads, 1, shape.head_dim, device=device, dtype=torch.bfloat16)
+                kv = torch.randn(2, batch, shape.num_kv_heads, context, shape.head_dim, device=device,
+                                 dtype=torch.bfloat16)
+                sdpa = (lambda: torch.nn.functional.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True))
+                row = {"cache": "sdpa_contiguous_bf16", "context": context, "batch": batch,
+                       "kernel_ms": _time_ms(sdpa, device, iters)}
+                row["fraction_of_hbm"] = (kv.numel() * 2 / gpu.hbm_bytes_per_s * 1e3) / row["kernel_ms"]
+                del q, kv
+            except Exception as e:  # noqa: BLE001
+                row = {"cache": "sdpa_contiguous_bf16", "context": context, "batch": batch,
+                       "error": f"{type(e).__name__}: {e}"}
+            emit(row)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+
+
+def summary_markdown(report: dict) -> str:
+    lines = [f"# gpu_check {'(dry run, interpreter: numbers mean nothing)' if report['dry_run'] else ''}", "",
+             f"{report['device']}, torch {report['torch']}, triton {report['triton']}, {report['date']}", "",
+             "## Kernel tests, compiled", ""]
+    for t in report.get("kernel_tests", []):
+        lines.append(f"- `{t['file']}`: return code {t['returncode']} in {t['seconds']} s — {(t['tail'] or [''])[-1]}")
+    lines += ["", "## Split-KV at 32k (batch 1, 8 kv heads) vs one segment", "",
+              "```", json.dumps(report.get("split_check"), indent=1), "```", "",
+              "## Decode attention", "",
+              "| cache | context | batch | segments | programs | kernel ms | call ms | roofline ms | "
+              "fraction of HBM |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in report.get("decode", []):
+        if "error" in r:
+            lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | error: {r['error'][:80]} | | | | | |")
+            continue
+        f = (lambda k, fmt=".4f": format(r[k], fmt) if k in r else "")
+        lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | {r.get('segments', '')} | "
+                     f"{r.get('programs', '')} | {f('kernel_ms')} | {f('call_ms')} | {f('roofline_ms')} | "
+                     f"{f('fraction_of_hbm', '.2f')} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "kernels" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny sizes")
     p.add_argument("--skip-tests", action="store_true")
     args = p.parse_args(argv)
+    from .roofline import H200, LLAMA3_8B, Shape
+
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
-        device, contexts, batch, iters = "cpu", [64, 128], 2, 2
+        device, contexts, batches, iters, split_ctx = "cpu", [64, 600], [1, 2], 2, 600
+        shape, test_timeout = Shape("tiny", 4, 2, 32, 1), 300
     else:
         if not torch.cuda.is_available():
             print("gpu_check: no CUDA device; use --dry-run to check the script on a CPU", file=sys.stderr)
             return 2
-        device, contexts, batch, iters = "cuda", [1024, 8192, 32768], 16, 50
+        device, contexts, batches, iters, split_ctx = "cuda", [1024, 8192, 32768], [1, 16, 64], 20, 32768
+        shape, test_timeout = LLAMA3_8B, 270
+    import triton
+
     report = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "dry_run": args.dry_run,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        import triton
-        report["triton"] = triton.__version__
-    except ImportError:
-        report["triton"] = None
-    if not args.skip_tests and not args.dry_run:
-        report["kernel_tests"] = run_kernel_tests()
-        print(json.dumps(report["kernel_tests"], indent=1), flush=True)
-    report["decode_attention"] = bench_decode(contexts, batch, device, iters)
+              "torch": torch.__version__, "triton": triton.__version__, "dry_run": args.dry_run,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": vars(shape), "roofline_gpu": vars(H200)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "gpu_check_dry_run.json" if args.dry_run else "gpu_check.json"
-    (out / name).write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / name}")
-    failed = report.get("kernel_tests", {}).get("returncode", 0) != 0
-    return 1 if failed else 0
+    stem = "gpu_check_dry_run" if args.dry_run else "gpu_check"
+
+    def save() -> None:
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (out / f"{stem}.md").write_text(summary_markdown(report))
+
+    def part(key: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            report[key] = fn()
+        except Exception:  # noqa: BLE001 - record it, keep going
+            report[key + "_error"] = traceback.format_exc()[-2000:]
+        report.setdefault("seconds", {})[key] = round(time.perf_counter() - t0, 1)
+        save()
+        print(f"gpu_check: {key} done in {report['seconds'][key]} s", flush=True)
+
+    if not args.skip_tests:
+        part("kernel_tests", lambda: run_kernel_tests(args.dry_run, test_timeout))
+    part("split_check", lambda: check_split(split_ctx, device, shape))
+    report["decode"] = []
+
+    def emit(row: dict) -> None:
+        report["decode"].append(row)
+        save()
+        print(json.dumps(row), flush=True)
+
+    part("decode_done", lambda: bench_decode(contexts, batches, device, iters, shape, H200, emit) or True)
+    print(f"wrote {out / stem}.json and .md")
+    failed = [t for t in report.get("kernel_tests", []) if t["returncode"] != 0]
+    split_ok = all(v["ok"] for v in (report.get("split_check") or {"x": {"ok": False}}).values())
+    errors = [k for k in report if k.endswith("_error")] + [r for r in report["decode"] if "error" in r]
+    return 1 if failed or not split_ok or errors else 0
 
 
 if __name__ == "__main__":

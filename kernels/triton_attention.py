@@ -6,7 +6,7 @@ queries are the last ``q_len`` of its ``seq_lens[s]`` context tokens, and query
 ``i`` sits at position ``seq_lens[s] - q_len + i``. One kernel covers prefill
 (with or without a cached prefix), decode and mixed batches.
 
-Launch grid: ``(num_tiles, num_kv_heads)``. A tile is up to ``BLOCK_Q`` consecutive
+Launch grid: ``(num_tiles, num_kv_heads, num_segments)``. A tile is up to ``BLOCK_Q`` consecutive
 query tokens of one sequence; the host builds a per-program map ``tile -> (seq,
 tile index in seq)``, so no program is wasted on padding in a mixed batch. A
 program handles *all* ``GROUP = Hq / Hkv`` query heads of its kv head (GQA without
@@ -23,7 +23,19 @@ in registers. qkv's per-channel static scales (``CHANNEL``) are folded instead:
 the K scale into the query tile once per program (``q . (k_q * s_k) = (q * s_k) . k_q``)
 and the V scale into the output (``sum p (v_q * s_v) = s_v * sum p v_q``). With
 ``ROTATE`` the query tile is Hadamard-rotated after loading and the output
-rotated back before the store (:mod:`.triton_hadamard`).
+rotated back before the store (:mod:`.triton_hadamard`). Tiles come from
+:mod:`.triton_tiles`; fp32 queries at head_dim 256 (``Q_CHUNK < HEAD_DIM``) are rotated
+and K-scaled by the launcher and read chunk by chunk, so they never sit in registers whole.
+``BLOCK_SIZE`` (the paged block size) is a constexpr, so slot arithmetic is shifts.
+
+fp8 caches are decoded by the GPU's conversion where it has one (sm_89+,
+``FP8_NATIVE``); on sm_80 the launcher passes the cache as ``uint8`` and the bytes are
+decoded with integer arithmetic (:mod:`.triton_fp8`), to the same fp32 values.
+
+Decode-only batches may be split along the keys (``SPLIT``, grid axis 2 =
+segments, :mod:`.triton_split_kv`): each program then stores its unnormalized
+partial result and a merge kernel combines the segments, so a long decode with few
+(sequence, kv head) pairs still starts enough programs to fill the GPU.
 """
 
 from __future__ import annotations
@@ -32,8 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import CacheDtype, check_rotation
+from .launch import device_num_sms, fp8_native, launch, runs_on_gpu, target_arch, unused_pointer as _unused
+from .quant import CacheDtype, check_rotation, hadamard_rotate
+from .triton_fp8 import fp8_decode_bits, fp8_format
 from .triton_hadamard import fwht_rows
+from .triton_split_kv import merge_segments, num_kv_segments, partial_buffers
+from .triton_tiles import attention_tiles
 
 __all__ = ["triton_paged_attention"]
 
@@ -42,16 +58,19 @@ __all__ = ["triton_paged_attention"]
 def _paged_attention_kernel(
     q_ptr, out_ptr, cache_ptr, scale_cache_ptr, k_scale_ptr, v_scale_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_idx_ptr,
-    sm_scale, window, block_size,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    sm_scale, window, num_q_heads, num_segments,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     stride_sb, stride_skv, stride_ss,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     QUANTIZED: tl.constexpr, DYNAMIC: tl.constexpr, USE_WINDOW: tl.constexpr,
+    MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FP8_NATIVE: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CHANNEL: tl.constexpr, ROTATE: tl.constexpr, LOG2_D: tl.constexpr, ROT_NORM: tl.constexpr,
+    SPLIT: tl.constexpr, Q_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,17 +89,20 @@ def _paged_attention_kernel(
     q_pos = first_q_pos + tok
     d = tl.arange(0, HEAD_DIM)
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    if ROTATE:  # (qH).(kH) = q.k; rounded back to the query dtype like the reference
-        q = fwht_rows(q.to(tl.float32), BLOCK_M, HEAD_DIM, LOG2_D, ROT_NORM).to(q_ptr.dtype.element_ty)
-    q_dot = q
-    if CHANNEL:  # fold the [D] K scale of this kv head into the query
-        k_scale_ch = tl.load(k_scale_ptr + kv_head * HEAD_DIM + d)
+    q_ty = q_ptr.dtype.element_ty
+    q_row_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
+    if CHANNEL:
         v_scale_ch = tl.load(v_scale_ptr + kv_head * HEAD_DIM + d)
-        q_dot = (q.to(tl.float32) * k_scale_ch[None, :]).to(q.dtype)
-    if DOT_FP32:
-        q_dot = q_dot.to(tl.float32)
+    if Q_CHUNK == HEAD_DIM:  # the query tile stays in registers for the whole loop
+        q = tl.load(q_row_ptrs + d[None, :], mask=row_ok[:, None], other=0.0)
+        if ROTATE:  # (qH).(kH) = q.k; rounded back to the query dtype like the reference
+            q = fwht_rows(q.to(tl.float32), BLOCK_M, HEAD_DIM, LOG2_D, ROT_NORM).to(q_ty)
+        if CHANNEL:  # fold the [D] K scale of this kv head into the query
+            q = (q.to(tl.float32) * tl.load(k_scale_ptr + kv_head * HEAD_DIM + d)[None, :]).to(q_ty)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+    # else: q_ptr holds the query already rotated and K-scaled by the launcher, and the
+    # loop reads it chunk by chunk (fp32 at head_dim 256 would not fit in registers)
 
     # Keys visible to any row of this tile: [lo, hi).
     tile_first_pos = first_q_pos + tile * BLOCK_Q
@@ -98,34 +120,57 @@ def _paged_attention_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    for start_n in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+    first_n = (lo // BLOCK_N) * BLOCK_N
+    if SPLIT:  # this program's segment: a run of whole key tiles of [first_n, hi)
+        seg = tl.program_id(2)
+        tiles_per_seg = tl.cdiv(tl.cdiv(hi - first_n, BLOCK_N), num_segments)
+        first_n = first_n + seg * tiles_per_seg * BLOCK_N
+        hi = tl.minimum(hi, first_n + tiles_per_seg * BLOCK_N)
+
+    for start_n in range(first_n, hi, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
         k_ok = (k_pos >= lo) & (k_pos < hi)
         # position -> slot through the block table (never past seq_len)
-        block = tl.load(block_table + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
-        slot_off = block * stride_cb + (k_pos % block_size) * stride_cs + kv_head * stride_ch
+        block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot_off = block * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_ptrs = cache_ptr + slot_off[:, None] + d[None, :]
-        k = tl.load(kv_ptrs, mask=k_ok[:, None], other=0.0)
-        v = tl.load(kv_ptrs + stride_ckv, mask=k_ok[:, None], other=0.0)
-        if QUANTIZED:
-            if DYNAMIC:
-                s_ptrs = scale_cache_ptr + block * stride_sb + (k_pos % block_size) * stride_ss + kv_head
-                k = k.to(tl.float32) * tl.load(s_ptrs, mask=k_ok, other=0.0)[:, None]
-                v = v.to(tl.float32) * tl.load(s_ptrs + stride_skv, mask=k_ok, other=0.0)[:, None]
-            elif CHANNEL:  # scales folded into the query and the output
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+        # K and V dequantized inline (in the interpreter every call into a jit helper costs ms)
+        k_scale_n = 1.0
+        v_scale_n = 1.0
+        if DYNAMIC:  # per-slot scales stored beside the block
+            s_ptrs = scale_cache_ptr + block * stride_sb + (k_pos % BLOCK_SIZE) * stride_ss + kv_head
+            k_scale_n = tl.load(s_ptrs, mask=k_ok, other=0.0)[:, None]
+            v_scale_n = tl.load(s_ptrs + stride_skv, mask=k_ok, other=0.0)[:, None]
+        elif QUANTIZED and not CHANNEL:  # CHANNEL: scales folded into the query and the output
+            k_scale_n = k_scale
+            v_scale_n = v_scale
+        s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for c in tl.static_range(HEAD_DIM // Q_CHUNK + 1):  # K (whole or in chunks), then V
+            if c == HEAD_DIM // Q_CHUNK:
+                dc = d
+                x = tl.load(kv_ptrs + stride_ckv, mask=k_ok[:, None], other=0.0)
+                scale_n = v_scale_n
             else:
-                k = k.to(tl.float32) * k_scale
-                v = v.to(tl.float32) * v_scale
-        # like the reference: dequantize to the query dtype, then multiply
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        s = tl.dot(q_dot, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+                dc = c * Q_CHUNK + tl.arange(0, Q_CHUNK)
+                x = tl.load(cache_ptr + slot_off[:, None] + dc[None, :], mask=k_ok[:, None], other=0.0)
+                scale_n = k_scale_n
+            if MANT_BITS > 0 and not FP8_NATIVE:  # sm_80: fp8 bytes decoded with integers
+                x = fp8_decode_bits(x, MANT_BITS, MIN_EXP)
+            if QUANTIZED:
+                x = x.to(tl.float32) * scale_n
+            x = x.to(q_ty)  # like the reference: dequantize to the query dtype, then multiply
+            if DOT_FP32:
+                x = x.to(tl.float32)
+            if c == HEAD_DIM // Q_CHUNK:
+                v = x
+            elif Q_CHUNK == HEAD_DIM:
+                s = tl.dot(q, tl.trans(x), input_precision=DOT_PRECISION)
+            else:
+                qc = tl.load(q_row_ptrs + dc[None, :], mask=row_ok[:, None], other=0.0)
+                if DOT_FP32:
+                    qc = qc.to(tl.float32)
+                s += tl.dot(qc, tl.trans(x), input_precision=DOT_PRECISION)
+        s = s * sm_scale
         visible = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -137,37 +182,36 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p.to(q.dtype).to(v.dtype)
+        p = p.to(q_ty).to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if CHANNEL:
-        acc = acc * v_scale_ch[None, :]
-    if ROTATE:
-        acc = fwht_rows(acc, BLOCK_M, HEAD_DIM, LOG2_D, ROT_NORM)
-    out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-def _tile_sizes(group: int, max_q_len: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_Q, BLOCK_N): rows per tile, query tokens per tile, keys per K/V tile."""
-    max_rows = 64 if head_dim <= 128 else 32
-    block_m = max(16, triton.next_power_of_2(group))
-    while block_m < max_rows and block_m < group * max_q_len:
-        block_m *= 2
-    block_n = 32 if head_dim <= 128 else 16
-    return block_m, block_m // group, block_n
+    if SPLIT:  # unnormalized partials; merge_segments finishes (scale, rotation, cast)
+        part = (q_rows * num_q_heads + head) * num_segments + tl.program_id(2)
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if CHANNEL:
+            acc = acc * v_scale_ch[None, :]
+        if ROTATE:
+            acc = fwht_rows(acc, BLOCK_M, HEAD_DIM, LOG2_D, ROT_NORM)
+        out_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, dt: CacheDtype,
                            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                            scale_cache: torch.Tensor | None, sm_scale: float,
-                           sliding_window: int | None = None, rotate: bool = False) -> torch.Tensor:
+                           sliding_window: int | None = None, rotate: bool = False, *,
+                           num_sms: int | None = None) -> torch.Tensor:
     """Varlen paged attention over ``query`` ([T, Hq, D]); returns ``[T, Hq, D]`` in query's dtype.
 
     Static ``k_scale``/``v_scale`` are ``[Hkv]`` (or one element), or ``[Hkv, D]`` per channel.
+    ``num_sms`` overrides the SM count the split-KV heuristic fills (default: the
+    device's, 132 off CUDA).
     """
     if query.dim() != 3:
         raise ValueError(f"query must be [T, Hq, D], got {tuple(query.shape)}")
@@ -198,7 +242,7 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
             raise ValueError("scale_cache must be contiguous in its last dimension")
         s_strides = scale_cache.stride()[:3]
     else:
-        scale_cache, s_strides = kv_cache, (0, 0, 0)
+        scale_cache, s_strides = _unused(kv_cache.device), (0, 0, 0)
     if rotate:
         check_rotation("hadamard", head_dim)
     channel = False
@@ -218,7 +262,7 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         k_scale = k_scale.to(device=query.device, dtype=torch.float32).reshape(-1).expand(num_kv_heads).contiguous()
         v_scale = v_scale.to(device=query.device, dtype=torch.float32).reshape(-1).expand(num_kv_heads).contiguous()
     else:
-        k_scale = v_scale = kv_cache  # unused placeholders
+        k_scale = v_scale = _unused(kv_cache.device)
 
     query = query.contiguous()
     out = torch.empty_like(query)
@@ -232,29 +276,64 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     # Per-program map: tile -> (sequence, tile index within the sequence).
     group = num_q_heads // num_kv_heads
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    block_m, block_q, block_n = _tile_sizes(group, int(q_lens.max()), head_dim)
-    tiles = (q_lens + block_q - 1) // block_q
-    num_tiles = int(tiles.sum())
+    max_q_len = int(q_lens.max())
+    arch = target_arch(device)
+    tiles = attention_tiles(group, max_q_len, head_dim, query.element_size(), rotate, arch)
+    block_q = tiles.block_q
+    seq_tiles = (q_lens + block_q - 1) // block_q
+    num_tiles = int(seq_tiles.sum())
     if num_tiles == 0:
         return out
     tile_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device, dtype=torch.int32),
-                                       tiles, output_size=num_tiles)
-    first_tile = torch.cumsum(tiles, 0) - tiles
+                                       seq_tiles, output_size=num_tiles)
+    first_tile = torch.cumsum(seq_tiles, 0) - seq_tiles
     tile_idx = (torch.arange(num_tiles, device=device) - first_tile[tile_seq]).to(torch.int32)
 
-    # fp32 dots are IEEE; bf16/fp16 dots are native on a GPU. The interpreter
-    # (CPU tensors) multiplies bf16 operands as raw uint16, so it upcasts them.
-    dot_fp32 = query.dtype == torch.float32 or query.device.type == "cpu"
-    _paged_attention_kernel[(num_tiles, num_kv_heads)](
-        query, out, kv_cache, scale_cache, k_scale, v_scale,
+    segments = 1
+    if max_q_len == 1:  # decode-only: split long contexts over more programs
+        context = int(seq_lens[q_lens > 0].max())
+        if sliding_window is not None:
+            context = min(context, sliding_window)
+        segments = num_kv_segments(num_tiles, num_kv_heads, context, num_sms or device_num_sms(device))
+    split = segments > 1
+    if split:
+        part_m, part_l, part_acc = partial_buffers(num_tokens, num_q_heads, segments, head_dim, device)
+    else:
+        part_m = part_l = part_acc = _unused(device)
+
+    native = fp8_native(arch)
+    mant_bits, min_exp = fp8_format(dt.storage)
+    cache_arg = kv_cache if native or dt.kind != "float" else kv_cache.view(torch.uint8)
+    # bf16/fp16 dots are native on a GPU. fp32 dots use three TF32 passes there (fp32
+    # accuracy on tensor cores; the IEEE FMA dot needs so many registers that it spills)
+    # and IEEE in the interpreter, which also multiplies bf16 operands as raw uint16.
+    on_gpu = runs_on_gpu(device)
+    dot_fp32 = query.dtype == torch.float32 or not on_gpu
+    precision = ("tf32x3" if on_gpu else "ieee") if dot_fp32 else "tf32"
+    q_arg = query
+    if tiles.q_chunk < head_dim:  # the kernel reads the query in chunks: rotate and K-scale it here
+        if rotate:
+            q_arg = hadamard_rotate(q_arg).to(query.dtype)
+        if channel:
+            q_arg = (q_arg.float() * k_scale.repeat_interleave(group, 0)).to(query.dtype)
+        q_arg = q_arg.contiguous()
+    launch(
+        _paged_attention_kernel, (num_tiles, num_kv_heads, segments),
+        q_arg, out, cache_arg, scale_cache, k_scale, v_scale,
         block_tables, seq_lens, query_start_loc, tile_seq, tile_idx,
-        float(sm_scale), int(sliding_window or 0), block_size,
+        part_m, part_l, part_acc,
+        float(sm_scale), int(sliding_window or 0), num_q_heads, segments,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *kv_cache.stride()[:4], *s_strides,
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=tiles.block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
         QUANTIZED=dt.quantized, DYNAMIC=dt.dynamic, USE_WINDOW=sliding_window is not None,
-        DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32",  # no TF32 for fp32
+        MANT_BITS=mant_bits, MIN_EXP=min_exp, FP8_NATIVE=native,
+        DOT_FP32=dot_fp32, DOT_PRECISION=precision,
         CHANNEL=channel, ROTATE=rotate, LOG2_D=head_dim.bit_length() - 1, ROT_NORM=float(head_dim) ** -0.5,
+        SPLIT=split, Q_CHUNK=tiles.q_chunk, num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=True,
     )
+    if split:
+        merge_segments(part_m, part_l, part_acc, out, v_scale, num_kv_heads, channel, rotate)
     return out

@@ -11,7 +11,9 @@ Bit-exactness notes. The kernel never relies on a float cast to round:
   half-to-even onto the fp8 grid *in fp32*, subnormals included, so the final
   cast only re-encodes an exactly representable value. Triton 3.9's interpreter
   rounds fp32 -> float8e4nv wrongly when the rounding carries into the exponent
-  (1.98 -> 1.0) and does not saturate (500 -> 256, 464 -> NaN).
+  (1.98 -> 1.0) and does not saturate (500 -> 256, 464 -> NaN). sm_80 has no fp8
+  type at all: there (``FP8_NATIVE`` off) the cache is passed as raw ``uint8`` and the
+  byte is built with integer arithmetic (:mod:`.triton_fp8`), equally bit-exact.
 * int8: round-half-to-even with the ``1.5 * 2**23`` magic number (``libdevice.rint``
   does not exist in the interpreter), then an exact cast.
 * bf16 copy: rounded half-to-even on the fp32 bits, because the interpreter
@@ -21,6 +23,7 @@ One program writes one token (grid = ``(T,)``): all kv heads of K and V, plus th
 dynamic scales; a ``-1`` slot masks every store of its program. ``ROTATE`` applies
 the Hadamard rotation in registers first (:mod:`.triton_hadamard`, bit-exact with
 the reference); ``CHANNEL`` loads a ``[Hkv, D]`` static scale tile instead of ``[Hkv]``.
+FP fusion is pinned off for this kernel: its bytes must not depend on Triton's default.
 """
 
 from __future__ import annotations
@@ -30,36 +33,13 @@ import triton
 import triton.language as tl
 
 from .quant import DYNAMIC_SCALE_FLOOR, CacheDtype, check_rotation
+from .launch import fp8_native, launch, target_arch, unused_pointer as _unused
+from .triton_fp8 import fp8_encode_bits, fp8_format, rint, round_to_fp8_grid
 from .triton_hadamard import fwht_rows
 
 __all__ = ["triton_write_kv_cache"]
 
-_RINT_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (x + M) - M rounds half-to-even for |x| < 2**22
 DYNAMIC_FLOOR = tl.constexpr(DYNAMIC_SCALE_FLOOR)
-
-
-@triton.jit
-def _rint(x):
-    """Round fp32 ``x`` (|x| < 2**22) to the nearest integer, ties to even."""
-    return (x + _RINT_MAGIC) - _RINT_MAGIC
-
-
-@triton.jit
-def _round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """Round fp32 ``y`` (already clamped to +-qmax) half-to-even onto an fp8 grid.
-
-    The grid spacing (ulp) at ``|y|`` is ``2**(max(e, MIN_EXP) - MANT_BITS)`` with
-    ``e = floor(log2|y|)``; below the smallest normal ``2**MIN_EXP`` it is the
-    subnormal step. Scaling by a power of two is exact, so the result is exactly
-    representable in the fp8 format and the following cast cannot round.
-    """
-    bits = y.to(tl.int32, bitcast=True)
-    exp = ((bits >> 23) & 0xFF) - 127
-    ulp_exp = tl.maximum(exp, MIN_EXP) - MANT_BITS
-    ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
-    inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
-    r = _rint(tl.abs(y) * inv_ulp) * ulp
-    return tl.where(bits < 0, -r, r)  # keeps the sign of -0.0 and of tiny negatives
 
 
 @triton.jit
@@ -72,41 +52,53 @@ def _round_to_bf16(x):
 
 @triton.jit
 def _quantize(x, scale, KIND: tl.constexpr, QMAX: tl.constexpr, MANT_BITS: tl.constexpr,
-              MIN_EXP: tl.constexpr, ROUND_BF16: tl.constexpr, out_ty: tl.constexpr):
-    """``x`` fp32 [BLOCK_H, BLOCK_D], ``scale`` fp32 [BLOCK_H, BLOCK_D] -> values of ``out_ty``."""
+              MIN_EXP: tl.constexpr, FP8_NATIVE: tl.constexpr, ROUND_BF16: tl.constexpr, out_ty: tl.constexpr):
+    """``x`` fp32 [BLOCK_H, BLOCK_D], ``scale`` fp32 [BLOCK_H, BLOCK_D] -> values of ``out_ty``.
+
+    One constexpr branch per kind and nothing after it: Triton compiles the code that
+    follows a constexpr ``return`` too, so an early return would still compile the fp8
+    tail for a bf16 cache (and fail).
+    """
     if KIND == 0:  # unquantized copy
         if ROUND_BF16:
             x = _round_to_bf16(x)
-        return x.to(out_ty)
-    y = tl.math.div_rn(x, scale)
-    y = tl.maximum(y, -QMAX, propagate_nan=tl.PropagateNan.ALL)
-    y = tl.minimum(y, QMAX, propagate_nan=tl.PropagateNan.ALL)
-    if KIND == 1:  # int8: clamping first, then rounding, equals torch's round-then-clamp
-        return tl.where(y != y, 0.0, _rint(y)).to(out_ty)  # NaN -> 0, as torch on CPU
-    q = _round_to_fp8_grid(y, MANT_BITS, MIN_EXP).to(out_ty).to(tl.uint8, bitcast=True)
-    # NaN -> 0x7F / 0xFF (sign kept) like torch; the interpreter would write 384
-    nan_byte = tl.where(y.to(tl.int32, bitcast=True) < 0, 0xFF, 0x7F).to(tl.uint8)
-    return tl.where(y != y, nan_byte, q).to(out_ty, bitcast=True)
+        out = x.to(out_ty)
+    else:
+        y = tl.math.div_rn(x, scale)
+        y = tl.maximum(y, -QMAX, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.minimum(y, QMAX, propagate_nan=tl.PropagateNan.ALL)
+        if KIND == 1:  # int8: clamping first, then rounding, equals torch's round-then-clamp
+            out = tl.where(y != y, 0.0, rint(y)).to(out_ty)  # NaN -> 0, as torch on CPU
+        else:
+            # NaN -> 0x7F / 0xFF (sign kept) like torch; the interpreter would write 384
+            nan_byte = tl.where(y.to(tl.int32, bitcast=True) < 0, 0xFF, 0x7F).to(tl.uint8)
+            r = round_to_fp8_grid(tl.where(y != y, 0.0, y), MANT_BITS, MIN_EXP)
+            if FP8_NATIVE:  # sm_89+: the cast re-encodes an exact grid value
+                q = r.to(out_ty).to(tl.uint8, bitcast=True)
+            else:  # sm_80: the cache is raw uint8 and the byte is built with integers
+                q = fp8_encode_bits(r, MANT_BITS, MIN_EXP)
+            out = tl.where(y != y, nan_byte, q).to(out_ty, bitcast=True)
+    return out
 
 
 @triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, scale_cache_ptr,
-    num_heads, head_dim, block_size,
+    num_heads, head_dim,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ckv, stride_cs, stride_ch,
     stride_sb, stride_skv, stride_ss,
     KIND: tl.constexpr, DYNAMIC: tl.constexpr, QMAX: tl.constexpr,
-    MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, ROUND_BF16: tl.constexpr,
+    MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FP8_NATIVE: tl.constexpr, ROUND_BF16: tl.constexpr,
     ROTATE: tl.constexpr, LOG2_D: tl.constexpr, ROT_NORM: tl.constexpr, CHANNEL: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     heads = tl.where(slot >= 0, num_heads, 0)  # slot -1: padding token, store nothing
     slot = tl.maximum(slot, 0)
-    block = slot // block_size
-    offset = slot % block_size
+    block = slot // BLOCK_SIZE  # a constexpr: the paged layout's block size, a shift for 16
+    offset = slot % BLOCK_SIZE
 
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -142,14 +134,11 @@ def _write_kv_kernel(
         v_scale = tl.broadcast_to(tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)[:, None], (BLOCK_H, BLOCK_D))
 
     out_ty = cache_ptr.dtype.element_ty
-    kq = _quantize(k, k_scale, KIND, QMAX, MANT_BITS, MIN_EXP, ROUND_BF16, out_ty)
-    vq = _quantize(v, v_scale, KIND, QMAX, MANT_BITS, MIN_EXP, ROUND_BF16, out_ty)
+    kq = _quantize(k, k_scale, KIND, QMAX, MANT_BITS, MIN_EXP, FP8_NATIVE, ROUND_BF16, out_ty)
+    vq = _quantize(v, v_scale, KIND, QMAX, MANT_BITS, MIN_EXP, FP8_NATIVE, ROUND_BF16, out_ty)
     c_base = cache_ptr + block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :]
     tl.store(c_base, kq, mask=mask)
     tl.store(c_base + stride_ckv, vq, mask=mask)
-
-# (mantissa bits, exponent of the smallest normal) of each fp8 storage format
-_FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 
 
 def _check_scale(name: str, scale: torch.Tensor | None, num_heads: int, device,
@@ -214,30 +203,34 @@ def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
                              f"{tuple(scale_cache.shape)}")
         if scale_cache.stride(-1) != 1 or scale_cache.device != kv_cache.device:
             raise ValueError("scale_cache must be on kv_cache's device and contiguous in its last dimension")
-        k_scale = v_scale = scale_cache  # unused placeholders
+        k_scale = v_scale = _unused(kv_cache.device)
     elif dt.quantized:
         channel = k_scale is not None and torch.as_tensor(k_scale).dim() == 2
         dim = head_dim if channel else None
         k_scale = _check_scale("k_scale", k_scale, num_heads, kv_cache.device, dim)
         v_scale = _check_scale("v_scale", v_scale, num_heads, kv_cache.device, dim)
     else:
-        k_scale = v_scale = kv_cache  # unused placeholders
+        k_scale = v_scale = _unused(kv_cache.device)
     if scale_cache is None or not dt.dynamic:
-        scale_cache, s_strides = kv_cache, (0, 0, 0)
+        scale_cache, s_strides = _unused(kv_cache.device), (0, 0, 0)
     else:
         s_strides = scale_cache.stride()[:3]
 
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
-    mant_bits, min_exp = _FP8_GRID.get(dt.storage, (0, 0))
-    _write_kv_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping, k_scale, v_scale, scale_cache,
-        num_heads, head_dim, block_size,
+    mant_bits, min_exp = fp8_format(dt.storage)
+    native = fp8_native(target_arch(kv_cache.device))
+    cache_arg = kv_cache if native or dt.kind != "float" else kv_cache.view(torch.uint8)
+    launch(
+        _write_kv_kernel, (num_tokens,),
+        key, value, cache_arg, slot_mapping, k_scale, v_scale, scale_cache,
+        num_heads, head_dim,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *kv_cache.stride()[:4], *s_strides,
         KIND=kind, DYNAMIC=dt.dynamic, QMAX=float(dt.qmax),
-        MANT_BITS=mant_bits, MIN_EXP=min_exp,
+        MANT_BITS=mant_bits, MIN_EXP=min_exp, FP8_NATIVE=native,
         ROUND_BF16=dt.storage == torch.bfloat16,
         ROTATE=rotate, LOG2_D=head_dim.bit_length() - 1, ROT_NORM=float(head_dim) ** -0.5, CHANNEL=channel,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        enable_fp_fusion=False,  # pinned: the bytes must not depend on Triton's default (it changes in 3.10)
     )

@@ -1,0 +1,115 @@
+"""The kernel specializations qkv launches, found by driving the real launchers in capture mode.
+
+No constexpr is listed here: :func:`drive` calls ``triton_write_kv_cache`` and
+``triton_paged_attention`` (which also launches the split-KV merge) on small CPU tensors
+inside :func:`.launch.capture` for one GPU architecture, and the launchers decide every
+constexpr, tile and option exactly as they would on that GPU. A constexpr added to a
+kernel is therefore checked as soon as a launcher passes it.
+
+What is driven (the axes of the compile check):
+
+* every cache dtype: bf16, fp16, fp32, fp8 e4m3 / e5m2, int8, and both per-token-head
+  modes, with static per-tensor, per-head and per-channel scales where they apply;
+* Hadamard rotation on and off, head_dim 64, 128 and 256;
+* attention in three phases: a mixed prefill (prefill tiles), a short decode (decode
+  tiles, one segment) and a 32k-token decode (split-KV plus the merge kernel).
+
+Every (cache config, rotation, head_dim) is written and attended in one phase; the phase
+and the secondary axes — GQA group 1..8, kv heads, sliding window on/off, query dtype,
+slot dtype, block size — rotate over those combinations (a covering design: every value occurs,
+many times and in different company) instead of multiplying them, so the check stays
+within a CI budget; each combination is still a real launcher call.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .launch import Launch, capture
+from .quant import resolve_cache_dtype
+from .triton_attention import triton_paged_attention
+from .triton_cache_write import triton_write_kv_cache
+
+__all__ = ["CACHE_CONFIGS", "HEAD_DIMS", "PHASES", "drive"]
+
+# (cache dtype, static scale granularity); None = unquantized or dynamic
+CACHE_CONFIGS: tuple[tuple[str, str | None], ...] = (
+    ("bfloat16", None), ("float16", None), ("float32", None),
+    ("fp8_e4m3", "tensor"), ("fp8_e4m3", "head"), ("fp8_e4m3", "channel"),
+    ("fp8_e5m2", "head"), ("fp8_e5m2", "channel"),
+    ("int8", "tensor"), ("int8", "head"), ("int8", "channel"),
+    ("fp8_per_token_head", None), ("int8_per_token_head", None),
+)
+HEAD_DIMS = (64, 128, 256)
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
+KV_HEADS = (8, 1, 2, 4)
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.bfloat16, torch.float32)
+# (seq_lens, q_lens) per phase; the 32k decode makes several segments
+PHASES = {
+    "prefill": ([37, 300], [5, 300]),
+    "decode": ([40, 77], [1, 1]),
+    "split_decode": ([32768], [1]),
+}
+BLOCK_SIZES = (16, 16, 16, 32)  # the paged layout's block size (a constexpr); 16 is the default
+WINDOW = 4096
+
+
+def _scales(name: str, granularity: str | None, hkv: int, d: int) -> tuple[torch.Tensor | None, ...]:
+    if granularity is None:
+        return None, None
+    shape = {"tensor": (1,), "head": (hkv,), "channel": (hkv, d)}[granularity]
+    return torch.full(shape, 0.02), torch.full(shape, 0.01)
+
+
+def _model_dtype(name: str, i: int) -> torch.dtype:
+    """Unquantized caches hold the model dtype (``auto``); quantized ones rotate over model dtypes."""
+    dt = resolve_cache_dtype(name)
+    return dt.storage if not dt.quantized else MODEL_DTYPES[i % len(MODEL_DTYPES)]
+
+
+def _write(name: str, granularity: str | None, rotate: bool, d: int, hkv: int, i: int) -> None:
+    dt = resolve_cache_dtype(name)
+    k_scale, v_scale = _scales(name, granularity, hkv, d)
+    key = torch.zeros(3, hkv, d, dtype=_model_dtype(name, i))
+    bs = BLOCK_SIZES[i % len(BLOCK_SIZES)]
+    cache = torch.zeros(2, 2, bs, hkv, d, dtype=dt.storage)
+    scale_cache = torch.zeros(2, 2, bs, hkv) if dt.dynamic else None
+    slots = torch.tensor([0, 5, -1], dtype=torch.int32 if i % 5 == 4 else torch.int64)
+    triton_write_kv_cache(key, key, cache, slots, dt, k_scale, v_scale, scale_cache, rotate=rotate)
+
+
+def _attend(name: str, granularity: str | None, rotate: bool, d: int, hkv: int, group: int,
+            phase: str, window: int | None, i: int) -> None:
+    dt = resolve_cache_dtype(name)
+    seq_lens, q_lens = PHASES[phase]
+    k_scale, v_scale = _scales(name, granularity, hkv, d)
+    bs = BLOCK_SIZES[(i // 2) % len(BLOCK_SIZES)]
+    max_blocks = -(-max(seq_lens) // bs)
+    cache = torch.zeros(4, 2, bs, hkv, d, dtype=dt.storage)  # never read: nothing runs
+    scale_cache = torch.zeros(4, 2, bs, hkv) if dt.dynamic else None
+    query = torch.zeros(sum(q_lens), hkv * group, d, dtype=_model_dtype(name, i))
+    qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    triton_paged_attention(query, cache, torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32),
+                           torch.tensor(seq_lens, dtype=torch.int32), qsl, dt, k_scale, v_scale, scale_cache,
+                           d ** -0.5, window, rotate=rotate)
+
+
+def drive(arch: int) -> list[Launch]:
+    """Every launch the driven configurations make when compiled for ``arch`` (duplicates included).
+
+    Each (cache config, rotation, head_dim) writes once and attends in one phase, the
+    phase rotating so that every cache config meets every phase (over its head_dims)
+    and every head_dim meets every phase; fp32 queries and sliding windows ride along.
+    """
+    with capture(arch) as launches:
+        for i, ((c, (name, granularity)), (r, rotate), (h, d)) in enumerate(
+                itertools.product(enumerate(CACHE_CONFIGS), enumerate((False, True)), enumerate(HEAD_DIMS))):
+            _write(name, granularity, rotate, d, KV_HEADS[i % len(KV_HEADS)], i)
+            phase = list(PHASES)[(c + r + h) % len(PHASES)]
+            group = GROUPS[i % len(GROUPS)]
+            hkv = KV_HEADS[(i // len(GROUPS)) % len(KV_HEADS)]
+            window = WINDOW if (i // 3) % 2 else None
+            _attend(name, granularity, rotate, d, hkv, group, phase, window, i)
+    return launches
