@@ -12,7 +12,7 @@ import pytest
 from offload_support import (BLOCK_BYTES_FP8, ENGINE, NUM_PREFIX_BLOCKS, PROMPT, TIER_GIB, chain,
                              long_context_copy)
 from qkv import LLM, SamplingParams
-from qkv.offload import evict_free_blocks
+from qkv.offload import CacheBlockIO, evict_free_blocks
 from qkv.offload_files import HEADER, SUFFIX
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -34,7 +34,6 @@ def recomputed(model):
 
 def prefix_bytes(engine) -> list[bytes]:
     """The device bytes of the prompt's 128 cached prefix blocks, in chain order."""
-    from qkv.offload import CacheBlockIO
     blocks = [engine.pool.get_cached_block(h) for h in HASHES]
     assert None not in blocks
     return CacheBlockIO(engine.cache).gather([b.block_id for b in blocks])
