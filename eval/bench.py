@@ -13,7 +13,12 @@ Three modes, all writing one JSON file whose ratios the README quotes:
   dtype and to transformers.
 * ``prefix``: TTFT of a ``--prefix-len``-token prompt on a cold cache, then of the same
   prefix plus 4 new tokens (a prefix-cache hit); ``cold / hit`` per dtype, and the
-  cold TTFT (a batch-1 prefill) against the baseline's.
+  cold TTFT (a batch-1 prefill) against the baseline's. With ``--kv-offloading-size``,
+  every free block is then evicted from the device pool through the real eviction path
+  (so the prefix goes to the offload tier), and the same prompt is timed again: a tier
+  hit. With ``--kv-offloading-dir`` too, each dtype runs twice, with the tier in RAM
+  (label ``+ram``) and in files (``+file``), side by side. The tier is emptied at the
+  start of every repeat, so the cold run is cold (``--kv-offloading-dir`` is emptied too).
 
 Every engine shares one copy of the weights, runs are interleaved (each repeat runs
 every dtype once, in rotating order) so drifts of the machine hit all alike, and
@@ -37,6 +42,7 @@ from transformers import AutoModelForCausalLM
 from qkv.config import EngineConfig
 from qkv.engine import LLMEngine
 from qkv.kernels.cpu_attention import CpuKernels
+from qkv.offload import evict_free_blocks
 from qkv.sampling import SamplingParams
 
 from .configs import EvalConfig, parse_configs
@@ -47,14 +53,22 @@ __all__ = ["run_bench", "MODES"]
 MODES = ("throughput", "latency", "prefix")
 
 
+def _tier_variants(engine_kwargs: dict) -> list[tuple[str, dict]]:
+    """(label suffix, kwargs): one engine per dtype, or with ``--kv-offloading-dir`` a RAM and a file tier."""
+    if engine_kwargs.get("kv_offloading_dir") is None:
+        return [("", engine_kwargs)]
+    return [("+ram", {**engine_kwargs, "kv_offloading_dir": None}), ("+file", engine_kwargs)]
+
+
 def _engines(model: str, configs: list[EvalConfig], engine_kwargs: dict) -> dict[str, LLMEngine]:
     engines: dict[str, LLMEngine] = {}
     shared = None
     for cfg in configs:
-        kwargs = {**engine_kwargs, **cfg.engine_kwargs()}
-        engine = LLMEngine(EngineConfig(model=model, **kwargs), preloaded_model=shared)
-        shared = engine.model
-        engines[cfg.label] = engine
+        for suffix, variant in _tier_variants(engine_kwargs):
+            kwargs = {**variant, **cfg.engine_kwargs()}
+            engine = LLMEngine(EngineConfig(model=model, **kwargs), preloaded_model=shared)
+            shared = engine.model
+            engines[cfg.label + suffix] = engine
     return engines
 
 
@@ -158,10 +172,25 @@ def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -
     return out
 
 
+def _tier_hit(engine: LLMEngine, prompt: list[int]) -> tuple[float, object, dict]:
+    """Evict the device copy of ``prompt``'s blocks (they go to the tier), then time ``prompt`` again."""
+    t0 = time.perf_counter()
+    evict_free_blocks(engine.pool)
+    evict_s = time.perf_counter() - t0
+    before = engine.offload.counters()
+    t_tier, _, _, outs = run_requests(engine, [prompt], 1)
+    after = engine.offload.counters()
+    delta = {k: after[k] - before[k] for k in ("kv_offload_load_seconds", "kv_offload_bytes_read",
+                                                 "kv_offload_loaded_blocks", "external_prefix_cache_hits")}
+    return t_tier, outs[0], {"evict_seconds": evict_s, **delta}
+
+
 def _prefix(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -> dict:
     labels = list(engines)
     cold: dict[str, list[float]] = {k: [] for k in labels}
     hit: dict[str, list[float]] = {k: [] for k in labels}
+    tier: dict[str, list[float]] = {k: [] for k in labels if engines[k].offload is not None}
+    tier_runs: dict[str, list[dict]] = {k: [] for k in tier}
     cached: dict[str, int] = {}
     for r in range(args.repeats):
         prefix = random_prompts(vocab, 1, args.prefix_len, args.seed + 7 + r, avoid)[0]
@@ -169,22 +198,42 @@ def _prefix(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) ->
         for label in rotate_order(labels, r):
             engine = engines[label]
             engine.pool.reset_prefix_cache()
+            if engine.offload is not None:
+                engine.offload.clear()
             t_cold = run_requests(engine, [prefix], 1)[0]
             t_hit, _, _, outs = run_requests(engine, [prefix + suffix], 1)
             cold[label].append(t_cold)
             hit[label].append(t_hit)
             cached[label] = outs[0].num_cached_tokens
+            if engine.offload is not None:
+                t_tier, out, info = _tier_hit(engine, prefix + suffix)
+                tier[label].append(t_tier)
+                tier_runs[label].append({"ttft_ms": 1000 * t_tier, "cached_tokens": out.num_cached_tokens,
+                                         "same_token_as_device_hit": out.outputs[0].token_ids
+                                         == outs[0].outputs[0].token_ids, **info})
         print(f"prefix repeat {r + 1}: " + ", ".join(
-            f"{k} cold {1000 * cold[k][-1]:.0f} ms / hit {1000 * hit[k][-1]:.1f} ms" for k in labels), flush=True)
+            f"{k} cold {1000 * cold[k][-1]:.0f} ms / hit {1000 * hit[k][-1]:.1f} ms"
+            + (f" / tier hit {1000 * tier[k][-1]:.1f} ms" if k in tier else "") for k in labels), flush=True)
     base = labels[0]
     cold_ratio = _median_ratio(cold, base)
-    return {label: {"cold_ttft_ms": 1000 * statistics.median(cold[label]),
-                    "hit_ttft_ms": 1000 * statistics.median(hit[label]),
-                    "cold_over_hit": statistics.median([c / h for c, h in zip(cold[label], hit[label])]),
-                    "cold_ttft_ratio_to_" + base: cold_ratio[label],
-                    "cached_tokens": cached[label],
-                    "cold_ttft_ms_runs": [1000 * t for t in cold[label]],
-                    "hit_ttft_ms_runs": [1000 * t for t in hit[label]]} for label in labels}
+    out = {label: {"cold_ttft_ms": 1000 * statistics.median(cold[label]),
+                   "hit_ttft_ms": 1000 * statistics.median(hit[label]),
+                   "cold_over_hit": statistics.median([c / h for c, h in zip(cold[label], hit[label])]),
+                   "cold_ttft_ratio_to_" + base: cold_ratio[label],
+                   "cached_tokens": cached[label],
+                   "cold_ttft_ms_runs": [1000 * t for t in cold[label]],
+                   "hit_ttft_ms_runs": [1000 * t for t in hit[label]]} for label in labels}
+    for label, times in tier.items():
+        runs = tier_runs[label]
+        out[label].update({
+            "tier_hit_ttft_ms": 1000 * statistics.median(times),
+            "tier_hit_over_cold": statistics.median([t / c for t, c in zip(times, cold[label])]),
+            "tier_load_ms": 1000 * statistics.median(x["kv_offload_load_seconds"] for x in runs),
+            "tier_load_share_of_ttft": statistics.median(x["kv_offload_load_seconds"] / t
+                                                         for x, t in zip(runs, times)),
+            "tier_cached_tokens": runs[-1]["cached_tokens"], "tier_hit_tokens": runs[-1]["external_prefix_cache_hits"],
+            "tier_bytes_read": runs[-1]["kv_offload_bytes_read"], "tier_runs": runs})
+    return out
 
 
 def _kernel_build_seconds(engine: LLMEngine) -> float | None:
@@ -205,6 +254,8 @@ def run_bench(args, engine_kwargs: dict) -> dict:
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "kv_cache_dtype"}
     # Repeats reuse prompts: only the prefix mode may hit the prefix cache.
     engine_kwargs["enable_prefix_caching"] = args.mode == "prefix"
+    if args.mode != "prefix" and engine_kwargs.get("kv_offloading_size") is not None:
+        raise ValueError("--kv-offloading-size: the offload tier is measured by --mode prefix only")
     engines = _engines(args.model, configs, engine_kwargs)
     setup = time.perf_counter() - t0
     first = next(iter(engines.values()))

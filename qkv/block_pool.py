@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 BlockHash = bytes
 
@@ -136,6 +136,9 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # permanently owned, never freed
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[BlockHash, KVBlock] = {}
+        # Called with (block id, hash) of the cached blocks an allocation evicts, while their bytes are
+        # still intact: the offload tier (qkv.offload) saves them there. None (the default) costs nothing.
+        self.on_evict: Callable[[list[tuple[int, BlockHash]]], None] | None = None
 
     # -- allocation -------------------------------------------------------
     @property
@@ -156,11 +159,16 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
         out = []
+        evicted: list[tuple[int, BlockHash]] | None = [] if self.on_evict is not None else None
         for _ in range(n):
             block = self.free_queue.popleft()
+            if evicted is not None and block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                evicted.append((block.block_id, block.block_hash))
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        if evicted:
+            self.on_evict(evicted)
         return out
 
     def _evict(self, block: KVBlock) -> None:

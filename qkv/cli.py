@@ -44,12 +44,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fixed-shape GEMM tiles and (on the cpu backend) row-invariant attention: a request's "
                         "tokens do not depend on what it is batched with, how its prefill is chunked or "
                         "prefix-cache hits (slower)")
+    p.add_argument("--kv-offloading-size", type=_gib, default=None, metavar="GiB",
+                   help="a second tier for prefix blocks, in GiB like vLLM's flag (or with a unit: 512MiB): blocks "
+                        "the device pool evicts are kept there and loaded back on a hit instead of being "
+                        "recomputed (default: off)")
+    p.add_argument("--kv-offloading-backend", default="native",
+                   help="native (qkv's own tier, in RAM or files); vLLM's lmcache is not supported")
+    p.add_argument("--kv-offloading-dir", default=None, metavar="PATH",
+                   help="qkv extension: keep the offload tier in files under PATH (one per block, checksummed), "
+                        "so that it survives restarts; needs --kv-offloading-size (the cap)")
+
+
+def _gib(text: str) -> float:
+    """``--kv-offloading-size``: a number is GiB (vLLM's unit); ``512MiB`` and the like are accepted too."""
+    from .config import parse_size
+    try:
+        return float(text)
+    except ValueError:
+        try:
+            return parse_size(text) / 2**30
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
 
 
 _ENGINE_KEYS = ("dtype", "kv_cache_dtype", "kv_scales", "kv_cache_dtype_skip_layers", "kv_rotation",
                 "kv_cache_memory",
                 "num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "enable_prefix_caching", "prefix_caching_hash_algo", "attention_backend", "device", "batch_invariant")
+                "enable_prefix_caching", "prefix_caching_hash_algo", "attention_backend", "device", "batch_invariant",
+                "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import types
@@ -79,6 +80,23 @@ def _exists(value: str) -> None:
         raise ValueError(f"must name an existing file or directory, got {value!r}")
 
 
+def _positive_gib(value: float | int) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"must be a size in GiB > 0 (vLLM's unit; 0.5 = 512 MiB), got {value!r}")
+
+
+def _offloading_backend(value: str) -> None:
+    from .offload import OFFLOADING_BACKENDS
+    if value not in OFFLOADING_BACKENDS:
+        extra = " (vLLM's lmcache backend is not supported by qkv)" if value == "lmcache" else ""
+        raise ValueError(f"must be one of {', '.join(OFFLOADING_BACKENDS)}{extra}; got {value!r}")
+
+
+def _directory(value: str) -> None:
+    if Path(value).exists() and not Path(value).is_dir():
+        raise ValueError(f"must be a directory (it is created if missing), got the file {value!r}")
+
+
 def _model_dtypes() -> tuple[str, ...]:
     from .model_loader import _DTYPES
     return ("auto", *_DTYPES)
@@ -145,11 +163,19 @@ class EngineConfig:
     # Not read by the engine (a request's seed is SamplingParams.seed); qkv eval passes its own seed here.
     seed: int = option(0, "seed of whoever drives the engine (evaluation, calibration)")
     batch_invariant: bool = option(False, "one GEMM per sequence, so results do not depend on the batch")
+    kv_offloading_size: float | int | None = option(
+        None, "GiB for a second tier of prefix blocks: blocks the device pool evicts go there and come back "
+              "on a hit (vLLM's flag); default: no tier", check=_positive_gib)
+    kv_offloading_backend: str = option("native", "offload backend: native (vLLM's lmcache is not supported)",
+                                        check=_offloading_backend)
+    kv_offloading_dir: str | None = option(
+        None, "qkv extension: back the offload tier with files in this directory, so it survives restarts",
+        check=_directory)
 
     DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither memory nor num_blocks is given
 
     def __post_init__(self) -> None:
-        for name in ("model", "kv_scales"):  # paths are welcome where a path is meant
+        for name in ("model", "kv_scales", "kv_offloading_dir"):  # paths are welcome where a path is meant
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         self.validate()
@@ -177,6 +203,10 @@ class EngineConfig:
                         from None
         if not self.model:
             raise ValueError("model must be a registry name or a directory, got ''")
+        if self.kv_offloading_dir is not None and self.kv_offloading_size is None:
+            raise ValueError("kv_offloading_dir needs kv_offloading_size: the tier's cap in GiB")
+        if self.kv_offloading_size is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs prefix caching: the tier is keyed by prefix-cache block hashes")
 
 
 def _matches(value, tp) -> bool:

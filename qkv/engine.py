@@ -14,6 +14,7 @@ from .config import EngineConfig, parse_size
 from .kv_cache import KVCache, capacity_line, plan_num_blocks
 from .kv_cache_manager import KVCacheManager, cdiv
 from .model_loader import attention_layout, load_model, load_tokenizer, resolve_dtype, text_config
+from .offload import build_offload
 from .attention import get_backend
 from .detokenizer import IncrementalDetokenizer, make_decoder
 from .runner import ModelRunner
@@ -79,6 +80,8 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        # the second tier of prefix blocks (qkv.offload); None unless kv_offloading_size is set
+        self.offload = build_offload(config, self.model_path, self.dtype, self.cache, self.pool, self.kv_manager)
         self.backend = get_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, config.batch_invariant)
         self.stats = EngineStats()
@@ -112,6 +115,8 @@ class LLMEngine:
         self.cache = KVCache(specs, self.cache.num_blocks, self.block_size, self.device, scales)
         self.runner.cache = self.cache
         self.layer_specs = specs
+        if self.offload is not None:  # other bytes per block: other tier keys
+            self.offload.rebind(self.model_path, self.dtype, self.cache)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -26,15 +26,19 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0  # prompt tokens of admitted requests, looked up in the prefix cache
         self.prefix_hits = 0     # tokens of those found there
+        self.offload = None      # a qkv.offload.KVOffload when the second tier is on (the engine sets it)
 
     def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
         """The longest run of cached full blocks that starts the sequence.
 
         At least one token is always left to compute: the step must produce
         logits for the last token, so a fully cached prompt gives back its last
-        block (vLLM does the same). A pure lookup: the scheduler may look a
-        request up many times before blocks are free to admit it, so the
-        metrics are counted by :meth:`record_admission`, once.
+        block (vLLM does the same). It takes no reference: the scheduler may look
+        a request up many times before blocks are free to admit it, so the
+        metrics are counted by :meth:`record_admission`, once. With the offload
+        tier, the walk goes on there after a device miss, and tier hits are
+        loaded into free device blocks, published and left free: ordinary hits,
+        which later lookups find in the device pool.
         """
         if not self.enable_prefix_caching:
             return []
@@ -43,6 +47,8 @@ class KVCacheManager:
         for block_hash in seq.block_hashes[:max_blocks]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
+                if self.offload is not None:
+                    return self.offload.extend_hits(self.pool, seq.block_hashes[:max_blocks], hits)
                 break
             hits.append(block)
         return hits
@@ -57,6 +63,8 @@ class KVCacheManager:
         if self.enable_prefix_caching and seq.metrics.num_preemptions == 0:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_hit_tokens
+            if self.offload is not None:
+                self.offload.record_admission(seq, num_hit_tokens)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None) -> bool:

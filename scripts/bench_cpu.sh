@@ -17,4 +17,11 @@ uptime
   --output-len 32 --repeats 2 -o "$OUT/latency_smollm2.json"
 "$QKV" bench smollm2-135m --mode prefix --kv-cache-dtype "$DTYPES" --prefix-len 2048 --repeats 2 \
   -o "$OUT/prefix_smollm2.json"
+# offload tier (issue 16): a 2,048-token prefix evicted from the device pool, then requested again; tier-hit
+# TTFT against cold, bf16 and fp8, the tier in RAM (+ram) and in files (+file) side by side in one run
+TIER_DIR=$(mktemp -d)
+"$QKV" bench smollm2-135m --mode prefix --kv-cache-dtype bf16,fp8 --prefix-len 2048 --repeats 3 \
+  --kv-offloading-size 1 --kv-offloading-backend native --kv-offloading-dir "$TIER_DIR" \
+  -o "$OUT/prefix_offload_smollm2.json"
+rm -rf "$TIER_DIR"
 uptime

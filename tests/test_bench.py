@@ -61,6 +61,19 @@ def test_prefix_hit_ttft(model, tmp_path):
     assert r["results"]["bf16"]["cold_ttft_ratio_to_bf16"] == 1.0
 
 
+def test_prefix_tier_hit_ttft(model, tmp_path):
+    r = bench(model, tmp_path, "--mode", "prefix", "--kv-cache-dtype", "bf16,fp8", "--prefix-len", "100",
+              "--repeats", "1", "--kv-offloading-size", "0.01", "--kv-offloading-dir", str(tmp_path / "tier"))
+    res = r["results"]
+    assert list(res) == ["bf16+ram", "bf16+file", "fp8+ram", "fp8+file"]
+    for label, block_bytes in (("bf16+ram", 6144), ("bf16+file", 6144), ("fp8+ram", 3072), ("fp8+file", 3072)):
+        row, run = res[label], res[label]["tier_runs"][0]
+        # the 6 full prefix blocks went to the tier on eviction and came back: 96 tokens, 6 blocks' bytes
+        assert (row["tier_cached_tokens"], row["tier_hit_tokens"], row["tier_bytes_read"]) == (96, 96, 6 * block_bytes)
+        assert (run["kv_offload_loaded_blocks"], run["same_token_as_device_hit"]) == (6, True)
+        assert row["tier_hit_ttft_ms"] > 0 and 0 < row["tier_load_share_of_ttft"] < 1
+
+
 def test_bad_dtype_is_a_clear_error(model, tmp_path, capsys):
     assert main(["bench", model, "--kv-cache-dtype", "bf16,fp4", "-o", str(tmp_path / "x.json")]) == 2
     assert "'fp4' is not a kv-cache dtype" in capsys.readouterr().err

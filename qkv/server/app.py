@@ -170,4 +170,5 @@ def kv_report(engine) -> dict:
         "num_running": len(engine.scheduler.running),
         "num_waiting": len(engine.scheduler.waiting),
         "num_unfinished_requests": len(engine.requests),
+        "offload": engine.offload.report() if engine.offload is not None else None,
     }

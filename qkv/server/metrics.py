@@ -11,6 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..offload import OFFLOAD_COUNTERS, OFFLOAD_GAUGES
+
 __all__ = ["ServerMetrics", "snapshot_engine"]
 
 # vLLM's bucket boundaries.
@@ -26,6 +28,7 @@ def snapshot_engine(engine) -> dict:
     """Counters and gauges of ``engine`` right now (call on the engine thread only)."""
     st = engine.stats
     return {
+        **(engine.offload.counters() if engine.offload is not None else {}),
         "num_requests_running": len(engine.scheduler.running),
         "num_requests_waiting": len(engine.scheduler.waiting),
         "kv_cache_usage_perc": engine.pool.usage(),
@@ -59,11 +62,11 @@ class _EngineCollector:
     def collect(self):
         snap = self.source() or {}
         names, values = list(self.labels), list(self.labels.values())
-        for key, doc in _GAUGES.items():
+        for key, doc in {**_GAUGES, **OFFLOAD_GAUGES}.items():
             g = GaugeMetricFamily(f"qkv:{key}", doc, labels=names)
             g.add_metric(values, float(snap.get(key, 0)))
             yield g
-        for key, doc in _COUNTERS.items():
+        for key, doc in {**_COUNTERS, **OFFLOAD_COUNTERS}.items():
             c = CounterMetricFamily(f"qkv:{key}", doc, labels=names)
             c.add_metric(values, float(snap.get(key, 0)))
             yield c
