@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from qkv.config_flags import add_engine_args
 from qkv.kernels.quant import ROTATIONS
 from qkv.metrics import parse_threshold
 from qkv.model_loader import load_tokenizer
@@ -37,7 +38,7 @@ __all__ = ["register", "add_calibrate_args", "run_calibrate"]
 
 
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="registry name (e.g. smollm2-135m) or a local Hugging Face directory")
+    add_engine_args(p, ("model", "dtype", "device"))  # the model as the engine loads it while observing
     p.add_argument("--dataset", default=None,
                    help="local .txt/.jsonl/.json/.parquet file or folder, or a hub dataset name; "
                         "omit for data-free calibration on self-generated text")
@@ -74,8 +75,6 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an earlier calibration output in -o")
     p.add_argument("--weights", choices=["link", "copy", "symlink"], default="link",
                    help="how weights reach OUT: hard link (copy across filesystems), copy, or symlink")
-    p.add_argument("--dtype", default="auto", help="model dtype while observing (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is much faster on a busy machine)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

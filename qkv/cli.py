@@ -7,53 +7,9 @@ import json
 import logging
 import sys
 
-from .attention import ATTENTION_BACKENDS
+from .config_flags import add_engine_args, engine_kwargs
 
-__all__ = ["main", "add_engine_args", "engine_kwargs"]
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="registry name (e.g. smollm2-135m, gemma3-270m) or a local Hugging Face directory")
-    p.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto, bfloat16, fp8 (=fp8_e4m3), fp8_e5m2, int8, fp8_per_token_head, int8_per_token_head")
-    p.add_argument("--kv-scales", default=None, help="calibrated checkpoint dir or scales file (qkv calibrate -o)")
-    p.add_argument("--kv-cache-dtype-skip-layers", nargs="+", default=None,
-                   help="keep these layers' cache unquantized: 'sliding_window' and/or layer indices "
-                        "(default: the layers a calibrated checkpoint's auto-skip chose, else none)")
-    p.add_argument("--kv-rotation", choices=["auto", "none", "hadamard"], default="auto",
-                   help="qkv extension: Hadamard-rotate K/V along head_dim before quantizing "
-                        "(auto: whatever the scales were calibrated with)")
-    p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache, e.g. 2GiB (default 1GiB)")
-    p.add_argument("--num-blocks", type=int, default=None, help="number of KV blocks (overrides --kv-cache-memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="disable automatic prefix caching")
-    from .block_pool import DEFAULT_HASH_ALGO, HASH_ALGOS
-    p.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default=DEFAULT_HASH_ALGO,
-                   help="hash of prefix-cache blocks (vLLM's flag); a cryptographic hash, so that no client "
-                        "can make its blocks collide with another's")
-    p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
-                   help="default: triton on CUDA; on a CPU the fused cpu kernels (compiled on first use), "
-                        "or the torch reference when no C++ compiler is found")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="fixed-shape GEMM tiles and (on the cpu backend) row-invariant attention: a request's "
-                        "tokens do not depend on what it is batched with, how its prefill is chunked or "
-                        "prefix-cache hits (slower)")
-
-
-_ENGINE_KEYS = ("dtype", "kv_cache_dtype", "kv_scales", "kv_cache_dtype_skip_layers", "kv_rotation",
-                "kv_cache_memory",
-                "num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "enable_prefix_caching", "prefix_caching_hash_algo", "attention_backend", "device", "batch_invariant")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in _ENGINE_KEYS if hasattr(args, k)}
+__all__ = ["main", "add_engine_args", "engine_kwargs"]  # the flags themselves live in qkv.config_flags
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
