@@ -37,7 +37,6 @@ from transformers import AutoModelForCausalLM
 from qkv.config import EngineConfig
 from qkv.engine import LLMEngine
 from qkv.kernels.cpu_attention import CpuKernels
-from qkv.sampling import SamplingParams
 
 from .configs import EvalConfig, parse_configs
 from .latency import random_prompts, rotate_order, run_requests

@@ -76,7 +76,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                                        "--max-ppl-delta")
     g.add_argument("--search", action="store_true")
     grid = SearchArgs()
-    g.add_argument("--search-dtypes", default=",".join(grid.dtypes), help="static dtypes of the grid (default %(default)s)")
+    g.add_argument("--search-dtypes", default=",".join(grid.dtypes),
+                   help="static dtypes of the grid (default %(default)s)")
     g.add_argument("--search-strategies", default=",".join(grid.strategies), help="default %(default)s")
     g.add_argument("--search-rotations", default=",".join(grid.rotations), help="default %(default)s")
     g.add_argument("--no-search-dynamic", dest="search_dynamic", action="store_false",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

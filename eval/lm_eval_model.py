@@ -26,10 +26,10 @@ from pathlib import Path
 
 import lm_eval.models  # noqa: F401  - registers the built-in models first; registering before drops them
 import torch
+from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
-from lm_eval import utils as lm_utils
 from tqdm import tqdm
 
 from qkv.llm import LLM
@@ -70,7 +70,8 @@ class QKVLM(TemplateLM):
             device = None  # lm-eval's CLI passes device="cuda" by default; the engine picks cuda or cpu
         self.llm = LLM(str(pretrained), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                        kv_scales=kv_scales or None, kv_cache_dtype_skip_layers=parse_skip(kv_cache_dtype_skip_layers),
-                       kv_rotation=kv_rotation or "auto", kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, device=device)
+                       kv_rotation=kv_rotation or "auto", kv_cache_memory=kv_cache_memory,
+                       max_model_len=max_model_len, device=device)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.engine.tokenizer
         self._max_length = int(max_length) if max_length else self.engine.max_model_len

@@ -125,7 +125,8 @@ def _ptxas_log(ptx: str, arch: int, fp_fusion: bool) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2", *([] if fp_fusion else ["--fmad=false"]),
+        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               *([] if fp_fusion else ["--fmad=false"]),
                f"--gpu-name={sm_arch_from_capability(arch)}", f.name, "-o", os.devnull]
         return subprocess.run(cmd, capture_output=True, text=True).stderr
 

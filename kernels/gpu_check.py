@@ -24,6 +24,7 @@ Triton interpreter with tiny sizes (CI runs it); its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -158,11 +159,12 @@ def bench_decode(contexts, batches, device: str, iters: int, shape, gpu, emit) -
                 q = torch.randn(batch, shape.num_q_heads, 1, shape.head_dim, device=device, dtype=torch.bfloat16)
                 kv = torch.randn(2, batch, shape.num_kv_heads, context, shape.head_dim, device=device,
                                  dtype=torch.bfloat16)
-                sdpa = (lambda: torch.nn.functional.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True))
+                sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, kv[0], kv[1],
+                                         enable_gqa=True)
                 row = {"cache": "sdpa_contiguous_bf16", "context": context, "batch": batch,
                        "kernel_ms": _time_ms(sdpa, device, iters)}
                 row["fraction_of_hbm"] = (kv.numel() * 2 / gpu.hbm_bytes_per_s * 1e3) / row["kernel_ms"]
-                del q, kv
+                del sdpa, q, kv
             except Exception as e:  # noqa: BLE001
                 row = {"cache": "sdpa_contiguous_bf16", "context": context, "batch": batch,
                        "error": f"{type(e).__name__}: {e}"}
@@ -186,7 +188,9 @@ def summary_markdown(report: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | error: {r['error'][:80]} | | | | | |")
             continue
-        f = (lambda k, fmt=".4f": format(r[k], fmt) if k in r else "")
+        def f(k: str, fmt: str = ".4f", r: dict = r) -> str:
+            return format(r[k], fmt) if k in r else ""
+
         lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | {r.get('segments', '')} | "
                      f"{r.get('programs', '')} | {f('kernel_ms')} | {f('call_ms')} | {f('roofline_ms')} | "
                      f"{f('fraction_of_hbm', '.2f')} |")

@@ -12,8 +12,9 @@ the paged kernel.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
+from .attention import get_backend
 from .block_pool import BlockPool
 from .config import EngineConfig, parse_size
+from .detokenizer import IncrementalDetokenizer, make_decoder
 from .kv_cache import KVCache, capacity_line, plan_num_blocks
 from .kv_cache_manager import KVCacheManager, cdiv
 from .model_loader import attention_layout, load_model, load_tokenizer, resolve_dtype, text_config
-from .attention import get_backend
-from .detokenizer import IncrementalDetokenizer, make_decoder
 from .runner import ModelRunner
 from .sampling import SamplingError, SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
@@ -54,7 +54,8 @@ class LLMEngine:
         if preloaded_model is not None:
             p = next(preloaded_model.parameters())
             if p.dtype != self.dtype or p.device.type != self.device.type:
-                raise ValueError(f"preloaded model is {p.dtype} on {p.device}, engine wants {self.dtype} on {self.device}")
+                raise ValueError(f"preloaded model is {p.dtype} on {p.device}, "
+                                 f"engine wants {self.dtype} on {self.device}")
             self.model = preloaded_model
         else:
             self.model = load_model(self.model_path, self.dtype, self.device)
