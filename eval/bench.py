@@ -97,7 +97,8 @@ class _FirstTokenTime:
     """A ``transformers`` streamer that notes when the first generated token arrives (the prompt comes first)."""
 
     def __init__(self) -> None:
-        self.calls, self.first = 0, None
+        self.calls = 0
+        self.first: float | None = None
 
     def put(self, value) -> None:
         self.calls += 1

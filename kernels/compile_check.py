@@ -40,6 +40,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ARCHS = (80, 89, 90, 100)
 RESULTS = Path(__file__).resolve().parent / "results" / "compile.json"
@@ -63,7 +64,7 @@ def specializations(launches: list, arch: int) -> list[dict]:
     from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(GPUTarget("cuda", arch, 32))
-    binders: dict[int, object] = {}
+    binders: dict[int, Any] = {}
     seen: dict[str, dict] = {}
     for launch in launches:
         kernel = launch.kernel

@@ -42,6 +42,10 @@ RESULTS = ROOT / "kernels" / "results"
 CPU_ONLY_TESTS = ("test_kernel_compile.py", "test_kernel_gpu_check.py")
 
 
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
 def run_kernel_tests(dry_run: bool, timeout_s: float) -> list[dict]:
     """Each kernel test file in its own pytest process, all at once (compiling is CPU-bound)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -57,7 +61,8 @@ def run_kernel_tests(dry_run: bool, timeout_s: float) -> list[dict]:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
             rc, text = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
-            rc, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+            # TimeoutExpired carries bytes even with text=True
+            rc, text = "timeout", _text(e.stdout) + _text(e.stderr)
             text = text.decode() if isinstance(text, bytes) else text
         return {"file": name, "returncode": rc, "seconds": round(time.perf_counter() - t0, 1),
                 "tail": text.strip().splitlines()[-12:]}
