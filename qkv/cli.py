@@ -8,20 +8,20 @@ import logging
 import sys
 
 from .config_flags import add_engine_args, engine_kwargs
+from .llm import LLM
+from .registry import RegistryError, pull
+from .sampling import SamplingParams
+from .stats import StatsLogger
 
 __all__ = ["main", "add_engine_args", "engine_kwargs"]  # the flags themselves live in qkv.config_flags
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from .registry import pull
     pull(args.name)
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .llm import LLM
-    from .sampling import SamplingParams
-    from .stats import StatsLogger
 
     llm = LLM(args.model, **engine_kwargs(args))
     engine = llm.llm_engine
@@ -59,7 +59,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .eval.bench import run_bench
+    from .eval.bench import run_bench  # qkv.eval may be absent (see _extra_commands)
     run_bench(args, engine_kwargs(args))
     return 0
 
@@ -127,7 +127,6 @@ def _extra_commands():
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
-    from .registry import RegistryError
 
     args = build_parser().parse_args(argv)
     try:
