@@ -1,6 +1,6 @@
 """Offline KV-scale calibration (``qkv calibrate``). Installed as ``qkv.calibrate``.
 
-What other packages may use is re-exported here: ``qkv.eval`` (``--search``) imports this module
+What other packages may use is re-exported here: the evaluation package (``--search``) imports this module
 only, never its submodules, and the import-linter contracts in pyproject.toml hold it to that.
 """
 

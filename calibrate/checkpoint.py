@@ -107,7 +107,7 @@ def _write_weights(src: Path, out: Path, mode: str) -> dict[str, str]:
 
 def attention_prefixes(weight_names, num_layers: int) -> dict[int, str]:
     """``{layer: "model.layers.N.self_attn"}`` as named in the checkpoint (multimodal ones nest deeper)."""
-    found = {}
+    found: dict[int, str] = {}
     for name in weight_names:
         m = _ATTN.match(name)
         if m and "vision" not in name:

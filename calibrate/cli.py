@@ -14,11 +14,14 @@ held-out chunks and records the BF16 layers the engine then keeps by default.
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from qkv.config_flags import add_engine_args
 from qkv.kernels.quant import ROTATIONS
 from qkv.metrics import parse_threshold
 from qkv.model_loader import load_tokenizer
@@ -36,8 +39,12 @@ from .run import STRATEGIES, calibrate, load_engine, resolve_target
 __all__ = ["register", "add_calibrate_args", "run_calibrate"]
 
 
+# calibrate()'s keyword defaults are the command's: written once, in calibrate/run.py.
+_DEFAULTS: dict[str, Any] = {k: v.default for k, v in inspect.signature(calibrate).parameters.items()}
+
+
 def add_calibrate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="registry name (e.g. smollm2-135m) or a local Hugging Face directory")
+    add_engine_args(p, ("model", "dtype", "device"))  # the model as the engine loads it while observing
     p.add_argument("--dataset", default=None,
                    help="local .txt/.jsonl/.json/.parquet file or folder, or a hub dataset name; "
                         "omit for data-free calibration on self-generated text")
@@ -45,17 +52,18 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default=None, help="dataset split (default: train)")
     p.add_argument("--text-column", default=None,
                    help="column with the text (default: 'messages' for chat rows, else 'text')")
-    p.add_argument("--num-samples", type=int, default=64, help="number of calibration samples (default 64)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
-    p.add_argument("--packing", choices=["auto", "pack", "truncate"], default="auto",
+    p.add_argument("--num-samples", type=int, default=_DEFAULTS["num_samples"],
+                   help="number of calibration samples (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=_DEFAULTS["seq_len"], help="tokens per sample (default %(default)s)")
+    p.add_argument("--packing", choices=["auto", "pack", "truncate"], default=_DEFAULTS["packing"],
                    help="pack documents into seq-len chunks, or one truncated sample per row "
                         "(auto: truncate for chat rows, pack otherwise)")
-    p.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "fp8_e4m3", "int8"],
+    p.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"], choices=["fp8", "fp8_e4m3", "int8"],
                    help="cache dtype the scales are for (default fp8 = e4m3)")
-    p.add_argument("--strategy", default="tensor", choices=STRATEGIES,
+    p.add_argument("--strategy", default=_DEFAULTS["strategy"], choices=STRATEGIES,
                    help="one scale per layer for K and for V, one per kv head (compressed-tensors attn_head), "
                         "or one per kv head and channel (qkv extension: K folded into q, V into the output)")
-    p.add_argument("--kv-rotation", default="none", choices=ROTATIONS,
+    p.add_argument("--kv-rotation", default=_DEFAULTS["rotation"], choices=ROTATIONS,
                    help="qkv extension: calibrate scales of Hadamard-rotated K/V (the engine then rotates)")
     p.add_argument("--auto-skip", action="store_true",
                    help="choose the fewest layers to keep in BF16 so that ppl stays within --max-ppl-delta "
@@ -65,17 +73,15 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
                    help="held-out chunks for --auto-skip (same dataset and --seq-len, never used for the scales; "
                         "default 16). KV-quantization error grows with context, so calibrate at the context "
                         "length you serve: 512-token chunks underestimate the cost at 1,024")
-    p.add_argument("--observer", default="minmax", choices=OBSERVER_NAMES,
+    p.add_argument("--observer", default=_DEFAULTS["observer"], choices=OBSERVER_NAMES,
                    help="minmax: absmax over all samples; percentile: clip at --percentile of |x|; "
                         "mse: clipping ratio with the least quantize-dequantize error")
     p.add_argument("--percentile", type=float, default=None, help="for --observer percentile (default 99.99)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the sample draw (default 0)")
+    p.add_argument("--seed", type=int, default=_DEFAULTS["seed"], help="seed for the sample draw (default %(default)s)")
     p.add_argument("-o", "--output", required=True, help="output model directory")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier calibration output in -o")
     p.add_argument("--weights", choices=["link", "copy", "symlink"], default="link",
                    help="how weights reach OUT: hard link (copy across filesystems), copy, or symlink")
-    p.add_argument("--dtype", default="auto", help="model dtype while observing (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is much faster on a busy machine)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -35,7 +35,8 @@ def _num_kv_heads(src: Path) -> int:
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
 
-def export_vllm(src: str | Path, out: str | Path, weights: str = "link", overwrite: bool = False) -> tuple[Path, list[str]]:
+def export_vllm(src: str | Path, out: str | Path, weights: str = "link",
+                overwrite: bool = False) -> tuple[Path, list[str]]:
     """Write ``out`` (a compressed-tensors fp8 checkpoint); returns it and the messages to print."""
     src = Path(src)
     scales = read_kv_scales(src)

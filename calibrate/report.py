@@ -11,7 +11,7 @@ __all__ = ["calibration_record", "summary_table", "versions"]
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version()}
+    out: dict[str, str | None] = {"python": platform.python_version()}
     for pkg in ("qkv", "torch", "transformers", "datasets", "safetensors"):
         try:
             out[pkg] = md.version(pkg)

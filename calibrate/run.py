@@ -215,7 +215,7 @@ def calibrate_grid(model: str, raw: RawData, targets: list[tuple[str, str, str]]
 
     One engine observes the samples once, filling statistics for every rotation of the grid at
     the same time; each target then gets its scales from its rotation's statistics. This is what
-    ``qkv eval --search`` calibrates with.
+    the evaluation's ``--search`` calibrates with.
     """
     t0 = time.perf_counter()
     dts = {(name, strategy): resolve_target(name, strategy) for name, strategy, _ in targets}  # fail early

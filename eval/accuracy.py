@@ -84,7 +84,7 @@ def _ci(samples: np.ndarray) -> list[float]:
     return [float(lo), float(hi)]
 
 
-def summarize(tokens: dict[str, ConfigTokens], baseline: str, n_boot: int = 2000,
+def summarize(tokens: dict[str, ConfigTokens], baseline: str, n_boot: int,
               seed: int = 0) -> dict[str, dict]:
     """Every accuracy number of every configuration, with bootstrap CIs over windows."""
     b = tokens[baseline]

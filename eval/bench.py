@@ -43,7 +43,7 @@ from qkv.config import EngineConfig
 from qkv.engine import LLMEngine
 from qkv.kernels.cpu_attention import CpuKernels
 from qkv.offload import evict_free_blocks
-from qkv.sampling import SamplingParams
+from qkv.sequence import RequestOutput
 
 from .configs import EvalConfig, parse_configs
 from .latency import random_prompts, rotate_order, run_requests
@@ -112,7 +112,8 @@ class _FirstTokenTime:
     """A ``transformers`` streamer that notes when the first generated token arrives (the prompt comes first)."""
 
     def __init__(self) -> None:
-        self.calls, self.first = 0, None
+        self.calls = 0
+        self.first: float | None = None
 
     def put(self, value) -> None:
         self.calls += 1
@@ -172,8 +173,9 @@ def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -
     return out
 
 
-def _tier_hit(engine: LLMEngine, prompt: list[int]) -> tuple[float, object, dict]:
+def _tier_hit(engine: LLMEngine, prompt: list[int]) -> tuple[float, RequestOutput, dict]:
     """Evict the device copy of ``prompt``'s blocks (they go to the tier), then time ``prompt`` again."""
+    assert engine.offload is not None
     t0 = time.perf_counter()
     evict_free_blocks(engine.pool)
     evict_s = time.perf_counter() - t0
@@ -206,10 +208,10 @@ def _prefix(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) ->
             hit[label].append(t_hit)
             cached[label] = outs[0].num_cached_tokens
             if engine.offload is not None:
-                t_tier, out, info = _tier_hit(engine, prefix + suffix)
+                t_tier, tier_out, info = _tier_hit(engine, prefix + suffix)
                 tier[label].append(t_tier)
-                tier_runs[label].append({"ttft_ms": 1000 * t_tier, "cached_tokens": out.num_cached_tokens,
-                                         "same_token_as_device_hit": out.outputs[0].token_ids
+                tier_runs[label].append({"ttft_ms": 1000 * t_tier, "cached_tokens": tier_out.num_cached_tokens,
+                                         "same_token_as_device_hit": tier_out.outputs[0].token_ids
                                          == outs[0].outputs[0].token_ids, **info})
         print(f"prefix repeat {r + 1}: " + ", ".join(
             f"{k} cold {1000 * cold[k][-1]:.0f} ms / hit {1000 * hit[k][-1]:.1f} ms"

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from dataclasses import MISSING, fields
+from typing import Any
+
+from qkv.config_flags import add_engine_args
 
 from .report import verdict_lines
 from .run import EvalArgs, run_eval
@@ -22,43 +26,58 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+# Eval's engines differ from the engine's defaults in these (scores in bfloat16, a smaller cache per configuration);
+# their names, types and help still come from EngineConfig.
+EVAL_ENGINE_FIELDS = ("model", "dtype", "kv_cache_memory", "max_model_len", "device")
+
+
+def _default(name: str) -> Any:
+    """EvalArgs' default for ``name``: the one place eval's defaults are written."""
+    f = next(f for f in fields(EvalArgs) if f.name == name)
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="registry name (smollm2-135m, gemma3-270m) or a local Hugging Face directory")
-    p.add_argument("--configs", default="bf16,fp8",
+    add_engine_args(p, EVAL_ENGINE_FIELDS, {k: _default(k) for k in EVAL_ENGINE_FIELDS if k != "model"})
+    p.add_argument("--configs", default=_default("configs"),
                    help="comma-separated DTYPE[:SCALES_DIR][+skip=LAYERS]; LAYERS: sliding_window and/or "
                         "indices separated by '/' or ';'. The first configuration is the baseline "
-                        "(default: bf16,fp8)")
-    p.add_argument("--dataset", default="wikitext",
+                        "(default: %(default)s)")
+    p.add_argument("--dataset", default=_default("dataset"),
                    help="wikitext (WikiText-2 raw test; the local shared copy when present, else the hub) "
                         "or a .txt/.raw/.jsonl file")
-    p.add_argument("--num-windows", type=int, default=16)
-    p.add_argument("--window", type=int, default=1024, help="tokens per window (BOS included when the tokenizer adds one)")
-    p.add_argument("--ttft-lengths", type=_ints, default=[512, 2048],
+    p.add_argument("--num-windows", type=int, default=_default("num_windows"))
+    p.add_argument("--window", type=int, default=_default("window"),
+                   help="tokens per window (BOS included when the tokenizer adds one)")
+    p.add_argument("--ttft-lengths", type=_ints, default=_default("ttft_lengths"),
                    help="prompt lengths for TTFT, comma-separated; 'none' skips latency")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every latency measurement")
-    p.add_argument("--decode-batches", type=_ints, default=[1, 16])
-    p.add_argument("--decode-prompt-len", type=int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=16)
-    p.add_argument("--kv-budget", default="1GiB", help="KV budget for the max-concurrency figure (e.g. 1GiB)")
-    p.add_argument("--memory-len", type=int, default=2048, help="sequence length for the max-concurrency figure")
+    p.add_argument("--repeats", type=int, default=_default("repeats"),
+                   help="interleaved repeats of every latency measurement")
+    p.add_argument("--decode-batches", type=_ints, default=_default("decode_batches"))
+    p.add_argument("--decode-prompt-len", type=int, default=_default("decode_prompt_len"))
+    p.add_argument("--decode-tokens", type=int, default=_default("decode_tokens"))
+    p.add_argument("--kv-budget", default=_default("kv_budget"),
+                   help="KV budget for the max-concurrency figure (e.g. 1GiB)")
+    p.add_argument("--memory-len", type=int, default=_default("memory_len"),
+                   help="sequence length for the max-concurrency figure")
     p.add_argument("--report", required=True, help="directory for report.json, report.md and report.html")
-    p.add_argument("--max-ppl-delta", default=None, help="gate: fail when a ppl delta exceeds this (e.g. 1.0%%)")
-    p.add_argument("--max-kl", default=None, help="gate: fail when a mean per-token KL exceeds this")
-    p.add_argument("--compare", default=None, help="an earlier report.json (same model and report version)")
+    p.add_argument("--max-ppl-delta", default=_default("max_ppl_delta"),
+                   help="gate: fail when a ppl delta exceeds this (e.g. 1.0%%)")
+    p.add_argument("--max-kl", default=_default("max_kl"), help="gate: fail when a mean per-token KL exceeds this")
+    p.add_argument("--compare", default=_default("compare"),
+                   help="an earlier report.json (same model and report version)")
     p.add_argument("--gate-latency", action="store_true", help="latency regressions in --compare fail too")
-    p.add_argument("--dtype", default="bfloat16", help="model dtype for every configuration")
-    p.add_argument("--kv-cache-memory", default="512MiB", help="KV cache of each engine")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--chunk-size", type=int, default=None, help="prefill chunk for scoring (default: engine's)")
-    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
+    p.add_argument("--chunk-size", type=int, default=_default("chunk_size"),
+                   help="prefill chunk for scoring (default: engine's)")
+    p.add_argument("--bootstrap", type=int, default=_default("bootstrap"), help="bootstrap resamples")
+    p.add_argument("--seed", type=int, default=_default("seed"))
     g = p.add_argument_group("search", "--search: calibrate and evaluate the dtype x strategy x rotation grid "
                                        "(replaces --configs) and recommend the smallest KV footprint within "
                                        "--max-ppl-delta")
     g.add_argument("--search", action="store_true")
     grid = SearchArgs()
-    g.add_argument("--search-dtypes", default=",".join(grid.dtypes), help="static dtypes of the grid (default %(default)s)")
+    g.add_argument("--search-dtypes", default=",".join(grid.dtypes),
+                   help="static dtypes of the grid (default %(default)s)")
     g.add_argument("--search-strategies", default=",".join(grid.strategies), help="default %(default)s")
     g.add_argument("--search-rotations", default=",".join(grid.rotations), help="default %(default)s")
     g.add_argument("--no-search-dynamic", dest="search_dynamic", action="store_false",

@@ -132,15 +132,15 @@ def parse_config(spec: str) -> EvalConfig:
     text = head
     name, _, scales = text.partition(":")
     dtype = _dtype(name.strip().lower(), spec)
-    scales = scales.strip() or None
-    if scales is not None:
+    scales_dir = scales.strip() or None
+    if scales_dir is not None:
         if not _cd(dtype).quantized or _cd(dtype).dynamic:
             raise ConfigError(f"configuration {spec!r}: {dtype} takes no static scales")
-        if not Path(scales).exists():
-            raise ConfigError(f"configuration {spec!r}: scales {scales} do not exist")
+        if not Path(scales_dir).exists():
+            raise ConfigError(f"configuration {spec!r}: scales {scales_dir} do not exist")
     if skip is not None and not _cd(dtype).quantized:
         raise ConfigError(f"configuration {spec!r}: skipping layers only makes sense for a quantized cache")
-    return EvalConfig(spec.strip(), dtype, scales, skip, rotation)
+    return EvalConfig(spec.strip(), dtype, scales_dir, skip, rotation)
 
 
 def parse_configs(text: str | list[str]) -> list[EvalConfig]:

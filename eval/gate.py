@@ -57,7 +57,8 @@ def load_compare(path: str | Path, model: dict) -> dict:
     except json.JSONDecodeError as e:
         raise CompareError(f"--compare {path}: not a JSON report ({e})") from None
     if not isinstance(old, dict) or old.get("kind") != REPORT_KIND:
-        raise CompareError(f"--compare {path}: not a qkv eval report (kind {old.get('kind') if isinstance(old, dict) else None!r})")
+        kind = old.get("kind") if isinstance(old, dict) else None
+        raise CompareError(f"--compare {path}: not a qkv eval report (kind {kind!r})")
     if old.get("report_version") != REPORT_VERSION:
         raise CompareError(f"--compare {path}: report version {old.get('report_version')!r}, this qkv writes "
                            f"version {REPORT_VERSION}; rerun the old configuration with this version")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -57,7 +57,7 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: int,
     ids = [engine.add_request(p, params) for p in prompts]
     first: dict[str, float] = {}
     done: dict = {}
-    t_first = None
+    t_first: float | None = None
     steps_after = 0
     while len(done) < len(ids):
         outs = engine.step()

@@ -22,19 +22,24 @@ engine's continuous batching (greedy unless ``do_sample``).
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import lm_eval.models  # noqa: F401  - registers the built-in models first; registering before drops them
 import torch
+from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import model_registry, register_model
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs
-from lm_eval import utils as lm_utils
 from tqdm import tqdm
 
+from qkv.config import EngineConfig
 from qkv.llm import LLM
 from qkv.sampling import SamplingParams
 from qkv.scoring import prefill_logits
+
+from .run import EvalArgs
 
 __all__ = ["QKVLM", "register", "TASKS_DIR", "parse_skip"]
 
@@ -57,10 +62,16 @@ def parse_skip(value) -> list | None:
     return out
 
 
+# lm-eval's model_args default like qkv eval (EvalArgs) and the engine (EngineConfig): written there, once.
+_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig)}
+
+
 class QKVLM(TemplateLM):
-    def __init__(self, pretrained: str, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
-                 kv_scales: str | None = None, kv_cache_dtype_skip_layers=None, kv_rotation: str = "auto",
-                 kv_cache_memory: str = "512MiB", max_length: int | None = None, max_gen_toks: int = 256,
+    def __init__(self, pretrained: str, dtype: str = EvalArgs.dtype,
+                 kv_cache_dtype: str = _ENGINE_DEFAULTS["kv_cache_dtype"], kv_scales: str | None = None,
+                 kv_cache_dtype_skip_layers=None, kv_rotation: str = _ENGINE_DEFAULTS["kv_rotation"],
+                 kv_cache_memory: str = EvalArgs.kv_cache_memory, max_length: int | None = None,
+                 max_gen_toks: int = 256,
                  add_bos_token: bool | None = None, device: str | None = None, batch_size=1,
                  max_model_len: int | None = None, seed: int = 1234, **kwargs) -> None:
         super().__init__()
@@ -70,7 +81,8 @@ class QKVLM(TemplateLM):
             device = None  # lm-eval's CLI passes device="cuda" by default; the engine picks cuda or cpu
         self.llm = LLM(str(pretrained), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                        kv_scales=kv_scales or None, kv_cache_dtype_skip_layers=parse_skip(kv_cache_dtype_skip_layers),
-                       kv_rotation=kv_rotation or "auto", kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, device=device)
+                       kv_rotation=kv_rotation or _ENGINE_DEFAULTS["kv_rotation"], kv_cache_memory=kv_cache_memory,
+                       max_model_len=max_model_len, device=device)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.engine.tokenizer
         self._max_length = int(max_length) if max_length else self.engine.max_model_len

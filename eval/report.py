@@ -67,7 +67,8 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     for label, m in r["memory"].items():
         b = r["memory"][base]
         rows.append([label, str(m["kv_bytes_per_token"]), f"{m['kv_bytes_per_token'] / b['kv_bytes_per_token']:.3f}",
-                     str(m["max_concurrent_seqs"]), f"{m['max_concurrent_seqs'] / max(b['max_concurrent_seqs'], 1):.2f}"])
+                     str(m["max_concurrent_seqs"]),
+                     f"{m['max_concurrent_seqs'] / max(b['max_concurrent_seqs'], 1):.2f}"])
     m0 = r["memory"][base]
     out.append((f"KV memory (budget {m0['kv_budget_bytes'] / 2**20:,.0f} MiB, sequences of {m0['memory_len']} tokens)",
                 ["config", "KV bytes/token", "ratio", "max concurrent seqs", "ratio"], rows))
@@ -91,7 +92,8 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         c = r["compare"]
         rows = [[f["config"], f["metric"], f["kind"], _f(f["old"]), _f(f["new"]),
                  f"[{_f(f['old_interval'][0])}, {_f(f['old_interval'][1])}]"] for f in c["flags"]]
-        out.append((f"Compared with {c['source']} (same setup: {c['same_setup']}): metrics worse beyond the old interval",
+        out.append((f"Compared with {c['source']} (same setup: {c['same_setup']}): "
+                    "metrics worse beyond the old interval",
                     ["config", "metric", "kind", "old", "new", "old interval"], rows or [["-"] * 6]))
     env = r["environment"]
     out.append(("Environment", ["key", "value"], [[k, str(v)] for k, v in env.items()]

@@ -102,7 +102,7 @@ def environment(seed: int) -> dict:
 
 def _check_lengths(engines: dict, args: EvalArgs) -> None:
     mml = min(e.max_model_len for e in engines.values())
-    too_long = [L for L in args.ttft_lengths if L > mml]
+    too_long = [L for L in args.ttft_lengths if mml < L]
     if too_long:
         raise ValueError(f"--ttft-lengths {too_long[0]} is longer than max_model_len={mml}; "
                          f"use shorter prompts or raise --max-model-len/--kv-cache-memory")

@@ -40,6 +40,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ARCHS = (80, 89, 90, 100)
 RESULTS = Path(__file__).resolve().parent / "results" / "compile.json"
@@ -63,7 +64,7 @@ def specializations(launches: list, arch: int) -> list[dict]:
     from triton.runtime.jit import create_function_from_signature
 
     backend = make_backend(GPUTarget("cuda", arch, 32))
-    binders: dict[int, object] = {}
+    binders: dict[int, Any] = {}
     seen: dict[str, dict] = {}
     for launch in launches:
         kernel = launch.kernel
@@ -125,7 +126,8 @@ def _ptxas_log(ptx: str, arch: int, fp_fusion: bool) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2", *([] if fp_fusion else ["--fmad=false"]),
+        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
+               *([] if fp_fusion else ["--fmad=false"]),
                f"--gpu-name={sm_arch_from_capability(arch)}", f.name, "-o", os.devnull]
         return subprocess.run(cmd, capture_output=True, text=True).stderr
 

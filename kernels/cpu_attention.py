@@ -149,7 +149,7 @@ class CpuKernels:
         return desc
 
     @classmethod
-    def build(cls, build_dir: Path) -> "CpuKernels":
+    def build(cls, build_dir: Path) -> CpuKernels:
         """Compile on first use (cached in ``build_dir``); raises ``KernelBuildError`` without a compiler."""
         return cls(build_library(Path(build_dir)))
 

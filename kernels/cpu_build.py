@@ -61,7 +61,7 @@ def _torch_gomp() -> list[str]:
     return [str(lib), f"-Wl,-rpath,{lib.parent}"] if lib.exists() else []
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_library(build_dir: Path) -> ctypes.CDLL:
     """Compile (if needed) and load the CPU kernel library; raises :class:`KernelBuildError`."""
     cxx = find_compiler()

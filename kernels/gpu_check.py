@@ -24,6 +24,7 @@ Triton interpreter with tiny sizes (CI runs it); its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -41,6 +42,10 @@ RESULTS = ROOT / "kernels" / "results"
 CPU_ONLY_TESTS = ("test_kernel_compile.py", "test_kernel_gpu_check.py")
 
 
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+
 def run_kernel_tests(dry_run: bool, timeout_s: float) -> list[dict]:
     """Each kernel test file in its own pytest process, all at once (compiling is CPU-bound)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -56,7 +61,8 @@ def run_kernel_tests(dry_run: bool, timeout_s: float) -> list[dict]:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
             rc, text = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
-            rc, text = "timeout", f"{e.stdout or ''}{e.stderr or ''}"
+            # TimeoutExpired carries bytes even with text=True
+            rc, text = "timeout", _text(e.stdout) + _text(e.stderr)
             text = text.decode() if isinstance(text, bytes) else text
         return {"file": name, "returncode": rc, "seconds": round(time.perf_counter() - t0, 1),
                 "tail": text.strip().splitlines()[-12:]}
@@ -158,11 +164,12 @@ def bench_decode(contexts, batches, device: str, iters: int, shape, gpu, emit) -
                 q = torch.randn(batch, shape.num_q_heads, 1, shape.head_dim, device=device, dtype=torch.bfloat16)
                 kv = torch.randn(2, batch, shape.num_kv_heads, context, shape.head_dim, device=device,
                                  dtype=torch.bfloat16)
-                sdpa = (lambda: torch.nn.functional.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True))
+                sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, kv[0], kv[1],
+                                         enable_gqa=True)
                 row = {"cache": "sdpa_contiguous_bf16", "context": context, "batch": batch,
                        "kernel_ms": _time_ms(sdpa, device, iters)}
                 row["fraction_of_hbm"] = (kv.numel() * 2 / gpu.hbm_bytes_per_s * 1e3) / row["kernel_ms"]
-                del q, kv
+                del sdpa, q, kv
             except Exception as e:  # noqa: BLE001
                 row = {"cache": "sdpa_contiguous_bf16", "context": context, "batch": batch,
                        "error": f"{type(e).__name__}: {e}"}
@@ -186,7 +193,9 @@ def summary_markdown(report: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | error: {r['error'][:80]} | | | | | |")
             continue
-        f = (lambda k, fmt=".4f": format(r[k], fmt) if k in r else "")
+        def f(k: str, fmt: str = ".4f", r: dict = r) -> str:
+            return format(r[k], fmt) if k in r else ""
+
         lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | {r.get('segments', '')} | "
                      f"{r.get('programs', '')} | {f('kernel_ms')} | {f('call_ms')} | {f('roofline_ms')} | "
                      f"{f('fraction_of_hbm', '.2f')} |")

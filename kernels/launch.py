@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import device_num_sms, fp8_native, launch, runs_on_gpu, target_arch, unused_pointer as _unused
+from .launch import device_num_sms, fp8_native, launch, runs_on_gpu, target_arch
+from .launch import unused_pointer as _unused
 from .quant import CacheDtype, check_rotation, hadamard_rotate
 from .triton_fp8 import fp8_decode_bits, fp8_format
 from .triton_hadamard import fwht_rows
@@ -332,7 +333,8 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         MANT_BITS=mant_bits, MIN_EXP=min_exp, FP8_NATIVE=native,
         DOT_FP32=dot_fp32, DOT_PRECISION=precision,
         CHANNEL=channel, ROTATE=rotate, LOG2_D=head_dim.bit_length() - 1, ROT_NORM=float(head_dim) ** -0.5,
-        SPLIT=split, Q_CHUNK=tiles.q_chunk, num_warps=tiles.num_warps, num_stages=tiles.num_stages, enable_fp_fusion=True,
+        SPLIT=split, Q_CHUNK=tiles.q_chunk, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        enable_fp_fusion=True,
     )
     if split:
         merge_segments(part_m, part_l, part_acc, out, v_scale, num_kv_heads, channel, rotate)

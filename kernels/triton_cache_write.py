@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import fp8_native, launch, target_arch
+from .launch import unused_pointer as _unused
 from .quant import DYNAMIC_SCALE_FLOOR, CacheDtype, check_rotation
-from .launch import fp8_native, launch, target_arch, unused_pointer as _unused
 from .triton_fp8 import fp8_encode_bits, fp8_format, rint, round_to_fp8_grid
 from .triton_hadamard import fwht_rows
 

@@ -12,13 +12,18 @@ the paged kernel.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
 
+from .kernels import reference
+from .kernels.cpu_attention import CpuKernels
+from .kernels.cpu_build import KernelBuildError
 from .kv_cache import KVCache
+from .registry import default_cache_dir
 
 __all__ = ["ATTN_IMPL", "ATTENTION_BACKENDS", "StepContext", "AttentionBackend", "get_backend", "register"]
 
@@ -57,7 +62,6 @@ class _TorchBackend:
     """The torch reference (:mod:`qkv.kernels.reference`): one SDPA call per sequence, like transformers."""
 
     def __init__(self) -> None:
-        from .kernels import reference
         self.name = "torch"
         self.write_kv_cache = reference.write_kv_cache
         self.paged_attention = reference.paged_attention
@@ -65,6 +69,7 @@ class _TorchBackend:
 
 class _TritonBackend:
     def __init__(self) -> None:
+        # triton is an optional extra (qkv[triton]): imported only when this backend is chosen
         from .kernels.triton_attention import triton_paged_attention
         from .kernels.triton_cache_write import triton_write_kv_cache
         self.name = "triton"
@@ -76,8 +81,6 @@ class _CpuBackend:
     """The fused C++ kernels (:mod:`qkv.kernels.cpu_attention`), compiled on first use."""
 
     def __init__(self) -> None:
-        from .kernels.cpu_attention import CpuKernels
-        from .registry import default_cache_dir
         kernels = CpuKernels.build(default_cache_dir() / "kernels")
         self.name = "cpu"
         self.write_kv_cache = kernels.write_kv_cache
@@ -93,7 +96,6 @@ def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
     if name is None:
         if device.type == "cuda":
             return _TritonBackend()
-        from .kernels.cpu_build import KernelBuildError
         try:
             return _CpuBackend()
         except KernelBuildError as e:

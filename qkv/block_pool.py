@@ -167,7 +167,7 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
-        if evicted:
+        if evicted and self.on_evict is not None:
             self.on_evict(evicted)
         return out
 

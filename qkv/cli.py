@@ -7,87 +7,21 @@ import json
 import logging
 import sys
 
-from .attention import ATTENTION_BACKENDS
+from .config_flags import add_engine_args, engine_kwargs
+from .llm import LLM
+from .registry import RegistryError, pull
+from .sampling import SamplingParams
+from .stats import StatsLogger
 
-__all__ = ["main", "add_engine_args", "engine_kwargs"]
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="registry name (e.g. smollm2-135m, gemma3-270m) or a local Hugging Face directory")
-    p.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto, bfloat16, fp8 (=fp8_e4m3), fp8_e5m2, int8, fp8_per_token_head, int8_per_token_head")
-    p.add_argument("--kv-scales", default=None, help="calibrated checkpoint dir or scales file (qkv calibrate -o)")
-    p.add_argument("--kv-cache-dtype-skip-layers", nargs="+", default=None,
-                   help="keep these layers' cache unquantized: 'sliding_window' and/or layer indices "
-                        "(default: the layers a calibrated checkpoint's auto-skip chose, else none)")
-    p.add_argument("--kv-rotation", choices=["auto", "none", "hadamard"], default="auto",
-                   help="qkv extension: Hadamard-rotate K/V along head_dim before quantizing "
-                        "(auto: whatever the scales were calibrated with)")
-    p.add_argument("--kv-cache-memory", default=None, help="bytes for the KV cache, e.g. 2GiB (default 1GiB)")
-    p.add_argument("--num-blocks", type=int, default=None, help="number of KV blocks (overrides --kv-cache-memory)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="disable automatic prefix caching")
-    from .block_pool import DEFAULT_HASH_ALGO, HASH_ALGOS
-    p.add_argument("--prefix-caching-hash-algo", choices=HASH_ALGOS, default=DEFAULT_HASH_ALGO,
-                   help="hash of prefix-cache blocks (vLLM's flag); a cryptographic hash, so that no client "
-                        "can make its blocks collide with another's")
-    p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
-                   help="default: triton on CUDA; on a CPU the fused cpu kernels (compiled on first use), "
-                        "or the torch reference when no C++ compiler is found")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="fixed-shape GEMM tiles and (on the cpu backend) row-invariant attention: a request's "
-                        "tokens do not depend on what it is batched with, how its prefill is chunked or "
-                        "prefix-cache hits (slower)")
-    p.add_argument("--kv-offloading-size", type=_gib, default=None, metavar="GiB",
-                   help="a second tier for prefix blocks, in GiB like vLLM's flag (or with a unit: 512MiB): blocks "
-                        "the device pool evicts are kept there and loaded back on a hit instead of being "
-                        "recomputed (default: off)")
-    p.add_argument("--kv-offloading-backend", default="native",
-                   help="native (qkv's own tier, in RAM or files); vLLM's lmcache is not supported")
-    p.add_argument("--kv-offloading-dir", default=None, metavar="PATH",
-                   help="qkv extension: keep the offload tier in files under PATH (one per block, checksummed), "
-                        "so that it survives restarts; needs --kv-offloading-size (the cap)")
-
-
-def _gib(text: str) -> float:
-    """``--kv-offloading-size``: a number is GiB (vLLM's unit); ``512MiB`` and the like are accepted too."""
-    from .config import parse_size
-    try:
-        return float(text)
-    except ValueError:
-        try:
-            return parse_size(text) / 2**30
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-
-_ENGINE_KEYS = ("dtype", "kv_cache_dtype", "kv_scales", "kv_cache_dtype_skip_layers", "kv_rotation",
-                "kv_cache_memory",
-                "num_blocks", "block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "enable_prefix_caching", "prefix_caching_hash_algo", "attention_backend", "device", "batch_invariant",
-                "kv_offloading_size", "kv_offloading_backend", "kv_offloading_dir")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in _ENGINE_KEYS if hasattr(args, k)}
+__all__ = ["main", "add_engine_args", "engine_kwargs"]  # the flags themselves live in qkv.config_flags
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from .registry import pull
     pull(args.name)
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .llm import LLM
-    from .sampling import SamplingParams
-    from .stats import StatsLogger
 
     llm = LLM(args.model, **engine_kwargs(args))
     engine = llm.llm_engine
@@ -125,7 +59,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .eval.bench import run_bench
+    from .eval.bench import run_bench  # qkv.eval may be absent (see _extra_commands)
     run_bench(args, engine_kwargs(args))
     return 0
 
@@ -193,7 +127,6 @@ def _extra_commands():
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s] %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
-    from .registry import RegistryError
 
     args = build_parser().parse_args(argv)
     try:

@@ -10,6 +10,8 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
+from .block_pool import DEFAULT_HASH_ALGO, HASH_ALGOS
+
 __all__ = ["EngineConfig", "option", "parse_size", "parse_skip_layers"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -70,6 +72,8 @@ def _skip_layers(value) -> None:
         raise ValueError(f"must hold layer indices >= 0, got {min(idx)}")
 
 
+# The owning modules below import torch (and transformers): imported when a field is checked or a parser built,
+# so that `import qkv.config` stays light.
 def _kv_cache_dtype(value: str) -> None:
     from .kernels.quant import resolve_cache_dtype
     resolve_cache_dtype(value)
@@ -112,9 +116,7 @@ def _attention_backends() -> tuple[str, ...]:
     return ATTENTION_BACKENDS
 
 
-def _hash_algos() -> tuple[str, ...]:
-    from .block_pool import HASH_ALGOS
-    return HASH_ALGOS
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither memory nor num_blocks is given
 
 
 def option(default=MISSING, help: str = "", *, choices=None, ge: int | None = None, check=None):
@@ -137,17 +139,19 @@ class EngineConfig:
     """
 
     model: str = option(help="registry name (e.g. smollm2-135m, gemma3-270m) or a local Hugging Face directory")
-    dtype: str = option("auto", "model dtype", choices=_model_dtypes)
-    kv_cache_dtype: str = option("auto", "KV-cache storage dtype", check=_kv_cache_dtype)
+    dtype: str = option("auto", "model dtype (auto: the checkpoint's)", choices=_model_dtypes)
+    kv_cache_dtype: str = option("auto", "KV-cache storage dtype: auto, bfloat16, fp8 (=fp8_e4m3), fp8_e5m2, int8, "
+                                 "fp8_per_token_head, int8_per_token_head", check=_kv_cache_dtype)
     kv_scales: str | None = option(None, "calibrated checkpoint dir or scales file (qkv calibrate -o)",
                                    check=_exists)
     kv_cache_dtype_skip_layers: list[str | int] | str | None = option(
-        None, "keep these layers' cache unquantized: 'sliding_window' and/or layer indices", check=_skip_layers)
-    kv_rotation: str = option("auto", "qkv extension: auto (the scales' rotation), none or hadamard",
-                              choices=_rotations)
+        None, "keep these layers' cache unquantized: 'sliding_window' and/or layer indices (default: the layers "
+              "a calibrated checkpoint's auto-skip chose, else none)", check=_skip_layers)
+    kv_rotation: str = option("auto", "qkv extension: Hadamard-rotate K/V along head_dim before quantizing "
+                              "(auto: whatever the scales were calibrated with)", choices=_rotations)
     block_size: int = option(16, "tokens per KV block", ge=1, check=_power_of_two)
-    kv_cache_memory: int | str | None = option(None, "bytes for the KV cache, e.g. 2GiB (default 1GiB)",
-                                               check=_positive_size)
+    kv_cache_memory: int | str | None = option(
+        None, f"bytes for the KV cache, e.g. 2GiB (default {DEFAULT_KV_CACHE_MEMORY >> 30}GiB)", check=_positive_size)
     num_blocks: int | None = option(None, "number of KV blocks, the null block included (overrides "
                                           "kv_cache_memory)", ge=2)
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's, capped by the cache)",
@@ -155,14 +159,19 @@ class EngineConfig:
     max_num_seqs: int = option(64, "most requests running at once", ge=1)
     max_num_batched_tokens: int = option(2048, "most tokens in one step", ge=1)
     enable_prefix_caching: bool = option(True, "automatic prefix caching")
-    prefix_caching_hash_algo: str = option("sha256", "hash of prefix-cache blocks", choices=_hash_algos)
-    attention_backend: str | None = option(None, "default: triton on CUDA; on a CPU the fused cpu kernels, "
+    prefix_caching_hash_algo: str = option(DEFAULT_HASH_ALGO, "hash of prefix-cache blocks (vLLM's flag); a "
+                                           "cryptographic hash, so that no client can make its blocks collide "
+                                           "with another's", choices=HASH_ALGOS)
+    attention_backend: str | None = option(None, "default: triton on CUDA; on a CPU the fused cpu kernels "
+                                           "(compiled on first use), "
                                            "or the torch reference when no C++ compiler is found",
                                            choices=_attention_backends)
     device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda when available)", check=_device)
     # Not read by the engine (a request's seed is SamplingParams.seed); qkv eval passes its own seed here.
     seed: int = option(0, "seed of whoever drives the engine (evaluation, calibration)")
-    batch_invariant: bool = option(False, "one GEMM per sequence, so results do not depend on the batch")
+    batch_invariant: bool = option(False, "fixed-shape GEMM tiles and (on the cpu backend) row-invariant "
+                                   "attention: a request's tokens do not depend on what it is batched with, how its "
+                                   "prefill is chunked or prefix-cache hits (slower)")
     kv_offloading_size: float | int | None = option(
         None, "GiB for a second tier of prefix blocks: blocks the device pool evicts go there and come back "
               "on a hit (vLLM's flag); default: no tier", check=_positive_gib)
@@ -172,7 +181,7 @@ class EngineConfig:
         None, "qkv extension: back the offload tier with files in this directory, so it survives restarts",
         check=_directory)
 
-    DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither memory nor num_blocks is given
+    DEFAULT_KV_CACHE_MEMORY = DEFAULT_KV_CACHE_MEMORY
 
     def __post_init__(self) -> None:
         for name in ("model", "kv_scales", "kv_offloading_dir"):  # paths are welcome where a path is meant

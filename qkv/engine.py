@@ -9,16 +9,18 @@ from pathlib import Path
 
 import torch
 
+from .attention import get_backend
 from .block_pool import BlockPool
 from .config import EngineConfig, parse_size
+from .detokenizer import IncrementalDetokenizer, make_decoder
 from .kv_cache import KVCache, capacity_line, plan_num_blocks
 from .kv_cache_manager import KVCacheManager, cdiv
-from .model_loader import attention_layout, load_model, load_tokenizer, resolve_dtype, text_config
+from .model_loader import attention_layout, load_config, load_model, load_tokenizer, resolve_dtype, text_config
 from .offload import build_offload
-from .attention import get_backend
-from .detokenizer import IncrementalDetokenizer, make_decoder
+from .registry import resolve_model
 from .runner import ModelRunner
 from .sampling import SamplingError, SamplingParams
+from .scales import resolve_kv_cache
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
 from .stats import EngineStats
@@ -45,17 +47,16 @@ class LLMEngine:
         self.config = config
         if (config.device or "").startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r}: CUDA is not available on this machine; use device='cpu'")
-        from .registry import resolve_model  # pulls a registry name on first use
         self.model_path: Path = resolve_model(config.model)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = load_tokenizer(self.model_path)
-        from .model_loader import load_config
         hf_config = load_config(self.model_path)
         self.dtype = resolve_dtype(config.dtype, text_config(hf_config))
         if preloaded_model is not None:
             p = next(preloaded_model.parameters())
             if p.dtype != self.dtype or p.device.type != self.device.type:
-                raise ValueError(f"preloaded model is {p.dtype} on {p.device}, engine wants {self.dtype} on {self.device}")
+                raise ValueError(f"preloaded model is {p.dtype} on {p.device}, "
+                                 f"engine wants {self.dtype} on {self.device}")
             self.model = preloaded_model
         else:
             self.model = load_model(self.model_path, self.dtype, self.device)
@@ -63,7 +64,6 @@ class LLMEngine:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
 
         layout = attention_layout(self.model)
-        from .scales import resolve_kv_cache
         self.layer_specs, scales = resolve_kv_cache(
             layout, self.model_path, config.kv_cache_dtype, self.dtype, config.kv_scales,
             config.kv_cache_dtype_skip_layers, config.kv_rotation)

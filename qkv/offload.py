@@ -181,13 +181,12 @@ class KVOffload:
         """
         plan: list[KVBlock | bytes] = []  # device blocks and tier keys, in chain order
         for block_hash in hashes[len(hits):]:
-            block = pool.get_cached_block(block_hash)
-            if block is None:
-                key = self.key(block_hash)
-                if key not in self.tier:
+            entry: KVBlock | bytes | None = pool.get_cached_block(block_hash)
+            if entry is None:
+                entry = self.key(block_hash)
+                if entry not in self.tier:
                     break
-                block = key
-            plan.append(block)
+            plan.append(entry)
         if not plan:
             return hits
         t0 = time.perf_counter()
@@ -227,7 +226,7 @@ class KVOffload:
             pool.free_blocks(reversed(device))
         self.loaded_blocks += len(fresh)
         self.load_seconds += time.perf_counter() - t0
-        return hits + plan
+        return hits + [b for b in plan if isinstance(b, KVBlock)]  # every tier key was replaced above
 
     def record_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
         """Count an admitted request's tokens (once, like the device prefix-cache counters)."""

@@ -16,6 +16,7 @@ only lists the directory (names, sizes, mtimes); the checks run when an entry is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -77,10 +78,8 @@ class FileBackend:
 
     def touch(self, key: bytes) -> None:
         """Mark a hit in the file's mtime, so that the LRU order survives a restart."""
-        try:
+        with contextlib.suppress(OSError):  # gone: the next read reports it
             os.utime(self.path(key))
-        except OSError:
-            pass  # gone: the next read reports it
 
     def delete(self, key: bytes) -> None:
         self.path(key).unlink(missing_ok=True)
@@ -114,10 +113,8 @@ class FileBackend:
     @staticmethod
     def _bad(path: Path, why: str) -> None:
         logger.warning("KV offload entry %s is %s: dropped; its blocks will be recomputed", path, why)
-        try:
+        with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
-        except OSError:
-            pass
         return None
 
 

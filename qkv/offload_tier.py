@@ -9,6 +9,7 @@ trimmed to the cap, so a restarted server finds what the last one stored.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from typing import Protocol
@@ -144,10 +145,8 @@ class OffloadTier:
 
     def _drop(self, key: bytes) -> None:
         self.used -= self.index.pop(key)
-        try:
+        with contextlib.suppress(OSError):
             self.backend.delete(key)
-        except OSError:
-            pass
 
     def report(self) -> dict:
         return {**self.backend.describe(), "capacity_bytes": self.capacity, "used_bytes": self.used,

@@ -23,10 +23,11 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig

@@ -19,9 +19,22 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-from .pull import (SOURCE_FILE, CheckpointError, ChecksumError, HubError, ModelSpec, Package, PullError,
-                   RegistryError, UnknownModelError, build, check_checkpoint, default_cache_dir, is_complete,
-                   model_dir)
+from .pull import (
+    SOURCE_FILE,
+    CheckpointError,
+    ChecksumError,
+    HubError,
+    ModelSpec,
+    Package,
+    PullError,
+    RegistryError,
+    UnknownModelError,
+    build,
+    check_checkpoint,
+    default_cache_dir,
+    is_complete,
+    model_dir,
+)
 
 __all__ = ["REGISTRY", "resolve_model", "pull", "hub_snapshot", "HUB_FILES", "default_cache_dir", "model_dir",
            "check_checkpoint", "SOURCE_FILE", "ModelSpec", "Package", "RegistryError", "UnknownModelError",

@@ -16,7 +16,7 @@ import torch
 from .attention import AttentionBackend, StepContext
 from .batch_invariant import BatchInvariantLinear
 from .kv_cache import KVCache
-from .sampling import sample
+from .sampling import SamplingError, sample
 from .scheduler import SchedulerOutput
 
 __all__ = ["ModelRunner", "StepInputs", "build_step_inputs"]
@@ -107,7 +107,7 @@ class ModelRunner:
             )
         return out.logits[0]
 
-    def execute(self, sched: SchedulerOutput, block_size: int) -> list[int]:
+    def execute(self, sched: SchedulerOutput, block_size: int) -> list[int | SamplingError]:
         """Forward the step and sample one token for every sequence that reached its end."""
         inp = build_step_inputs(sched, block_size)
         logits = self.forward(inp)

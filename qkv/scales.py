@@ -105,7 +105,7 @@ def _read_tensors(f: Path, flag: str, path: Path, want_meta: bool) -> tuple[dict
     try:
         with safe_open(str(f), framework="pt") as fh:
             meta = dict(fh.metadata() or {}) if want_meta else {}
-            for name in fh.keys():
+            for name in fh.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 m = _NAME.search(name)
                 if not m:
                     continue

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import torch
 
+from .runner import build_step_inputs
 from .sampling import SamplingParams
 from .scheduler import ScheduledSeq, SchedulerOutput
-from .runner import build_step_inputs
 from .sequence import Sequence
 
 __all__ = ["prefill_logits"]

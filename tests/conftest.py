@@ -15,9 +15,6 @@ from tiny_models import make_tiny_model  # noqa: E402
 
 from qkv.data_files import find_data_file, not_found  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
-WIKITEXT = SHARED / "data" / "wikitext-2"  # only test_kv_quant_engine imports it; data_file below is the rule
 
 
 @pytest.fixture(scope="session")
@@ -52,9 +49,10 @@ def data_file():
 
 
 def pytest_collection_modifyitems(config, items):
-    # Real-model tests pull and convert checkpoints on first use; QKV_SKIP_SLOW=1 leaves them out.
-    if os.environ.get("QKV_SKIP_SLOW") == "1":
-        skip = pytest.mark.skip(reason="QKV_SKIP_SLOW=1")
+    # Real-model tests pull and convert checkpoints on first use; QKV_SKIP_SLOW=1 leaves them out of a quick
+    # local run. Never in CI (CI=true), where every test runs.
+    if os.environ.get("QKV_SKIP_SLOW") == "1" and os.environ.get("CI") != "true":
+        skip = pytest.mark.skip(reason="real-model test left out of a quick local run (QKV_SKIP_SLOW=1)")
         for item in items:
             if "slow" in item.keywords:
                 item.add_marker(skip)

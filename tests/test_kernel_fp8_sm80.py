@@ -14,7 +14,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
-pytest.importorskip("triton")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -1,6 +1,5 @@
 """The 8-bit cache end to end: backends agree, real models generate, capacity doubles, bad scales fail early."""
 
-import math
 from pathlib import Path
 
 import pytest
@@ -10,7 +9,6 @@ from safetensors.torch import save_file
 from qkv import LLM, SamplingParams
 from qkv.scoring import prefill_logits
 
-from conftest import WIKITEXT
 
 GREEDY32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * k for k in (1, 3, 6)]

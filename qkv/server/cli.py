@@ -10,6 +10,8 @@ import signal
 
 import uvicorn
 
+from ..config_flags import add_engine_args, engine_kwargs
+
 __all__ = ["add_serve_args", "serve", "GracefulServer"]
 
 logger = logging.getLogger("qkv.server")
@@ -53,7 +55,6 @@ class GracefulServer(uvicorn.Server):
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from ..cli import add_engine_args
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -71,7 +72,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from ..cli import engine_kwargs
     from ..config import EngineConfig, parse_size
     from ..engine import LLMEngine
     from .app import build_app

@@ -216,7 +216,7 @@ async def _until_done_or_disconnect(request: Request, outputs: AsyncIterator[Req
     async def collect() -> RequestOutput:
         async with contextlib.aclosing(outputs):
             last = None
-            async for last in outputs:
+            async for last in outputs:  # noqa: B007 - the loop keeps the last output
                 pass
             return last
 
