@@ -44,7 +44,7 @@ def test_parse_request_errors():
     assert req.single_prompt() == "one"
     sp = req.sampling_params(req.max_tokens)
     assert (sp.temperature, sp.top_k, sp.max_tokens) == (0.0, 5, 16)
-    for bad, param in (({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 3, "max_tokens": 2},
+    for bad, param in (({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 3, "max_tokens": 2},
                                                                              "min_tokens")):
         r = parse_request(CompletionRequest, {"prompt": "x", **bad})
         with pytest.raises(APIError) as e:
