@@ -18,6 +18,8 @@ import pytest
 from qkv.cli import main
 from test_server_support import THREAD_ENV, ServerProcess
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # the in-process run; the subprocesses get THREAD_ENV
+
 
 def _loglikelihoods(out_dir) -> dict[int, list[float]]:
     (samples,) = list(out_dir.rglob("samples_qkv_mc_*.jsonl"))

@@ -1,9 +1,12 @@
 """Logprobs (raw mode) equal log_softmax of a transformers fp32 forward, prompt and sampled tokens alike."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from qkv import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = [(5 * i) % 380 + 3 for i in range(21)]
 

@@ -6,6 +6,8 @@ import torch
 from qkv import LLM, SamplingParams
 from qkv.server.app import kv_report
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PROMPT = [(7 * i) % 380 + 3 for i in range(37)]  # 37 tokens: 2 full blocks of 16 and a tail of 5
 
 

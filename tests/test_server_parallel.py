@@ -14,6 +14,8 @@ import pytest
 from qkv import LLM, SamplingParams
 from test_server_support import parse_metrics, running_app
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ENGINE = {"dtype": "float32", "num_blocks": 64, "max_model_len": 256, "batch_invariant": True}
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 PROMPTS = ["The quick brown fox", "Paged attention stores keys"]  # both end mid-block: each n=2 request copies one block
