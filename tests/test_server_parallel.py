@@ -102,12 +102,25 @@ def test_echo_with_logprobs_gives_prompt_logprobs(tiny, offline):
 
 
 def test_chat_logprobs_and_n(tiny):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 5, "temperature": 1.0,
+            "max_tokens": 6, "ignore_eos": True}
+
     async def main(client, engine):
-        return await client.post("/v1/chat/completions", json={
+        r = await client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "hi"}], "n": 2, "logprobs": True, "top_logprobs": 2,
             "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        sampled = await client.post("/v1/chat/completions", json=chat)
+        streamed = await client.post("/v1/chat/completions", json={**chat, "stream": True})
+        return r, sampled, streamed
 
-    r = _serve(tiny, main)
+    r, sampled, streamed = _serve(tiny, main)
+    contents = {}
+    for line in streamed.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            for c in json.loads(line[6:])["choices"]:
+                contents[c["index"]] = contents.get(c["index"], "") + (c["delta"].get("content") or "")
+    assert [contents[0], contents[1]] == [c["message"]["content"] for c in sampled.json()["choices"]]
+    assert contents[0] != contents[1]  # seeds 5 and 6
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert [c["index"] for c in choices] == [0, 1]
