@@ -208,7 +208,7 @@ def test_openai_client_raises_typed_errors(server):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}])
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):  # a streaming request is rejected before the stream starts
-        client.completions.create(model=MODEL, prompt="hi", n=2, stream=True)
+        client.completions.create(model=MODEL, prompt="hi", n=2, best_of=3, stream=True)
 
 
 def test_api_key(server):
