@@ -34,7 +34,8 @@ def offline(tiny):
     params = SamplingParams(**SAMPLED)
     texts = [[c.text for c in llm.generate([p], params)[0].outputs] for p in PROMPTS]
     echo = llm.generate([ECHO_PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0))[0]
-    return {"texts": [t for pair in texts for t in pair], "prompt_logprobs": echo.prompt_logprobs,
+    best = llm.generate([PROMPTS[0]], SamplingParams(**{**SAMPLED, "n": 1, "best_of": 3}))[0].outputs[0].text
+    return {"texts": [t for pair in texts for t in pair], "prompt_logprobs": echo.prompt_logprobs, "best_of": best,
             "prompt_text": llm.llm_engine.tokenizer.decode(ECHO_PROMPT)}
 
 
@@ -62,11 +63,13 @@ def test_batch_of_prompts_with_n_equals_offline(tiny, offline):
     async def main(client, engine):
         r = await client.post("/v1/completions", json={"prompt": PROMPTS, **SAMPLED})
         s = await client.post("/v1/completions", json={"prompt": PROMPTS, **SAMPLED, "stream": True})
+        b = await client.post("/v1/completions", json={"prompt": PROMPTS[0], **SAMPLED, "n": 1, "best_of": 3})
         m = parse_metrics((await client.get("/metrics")).text)
         kv = (await client.get("/debug/kv")).json()
-        return r, s, m, kv
+        return r, s, b, m, kv
 
-    r, s, metrics, kv = _serve(tiny, main)
+    r, s, b, metrics, kv = _serve(tiny, main)
+    assert [c["text"] for c in b.json()["choices"]] == [offline["best_of"]]
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
@@ -75,8 +78,9 @@ def test_batch_of_prompts_with_n_equals_offline(tiny, offline):
     texts, finish = _stream_texts(s.text)
     assert [texts[i] for i in range(4)] == offline["texts"]
     assert finish == {i: "length" for i in range(4)}
-    assert metrics['qkv:kv_cow_copies_total{model_name="tiny"}'] == 4.0  # 2 requests x 2 prompts x 1 copy
-    assert kv["num_shared_blocks"] == 0 and kv["num_cow_copies"] == 4  # all finished: nothing held
+    # 2 requests x 2 prompts x 1 copy, and best_of=3: 2 copies
+    assert metrics['qkv:kv_cow_copies_total{model_name="tiny"}'] == 6.0
+    assert kv["num_shared_blocks"] == 0 and kv["num_cow_copies"] == 6  # all finished: nothing held
 
 
 def test_echo_with_logprobs_gives_prompt_logprobs(tiny, offline):
