@@ -150,6 +150,10 @@ class BlockPool:
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one sequence (parallel samples, or requests on the same prefix)."""
+        return sum(1 for b in self.blocks[1:] if b.ref_cnt > 1)
+
     def usage(self) -> float:
         """Fraction of usable blocks held by running sequences (cached-but-free counts as free)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks

@@ -15,15 +15,18 @@ from .config import EngineConfig, parse_size
 from .detokenizer import IncrementalDetokenizer, make_decoder
 from .kv_cache import KVCache, capacity_line, plan_num_blocks
 from .kv_cache_manager import KVCacheManager, cdiv
+from .logprobs import TokenTexts, position_logprobs
 from .model_loader import attention_layout, load_config, load_model, load_tokenizer, resolve_dtype, text_config
 from .offload import build_offload
+from .parallel_sampling import ParallelRequest
 from .registry import resolve_model
-from .runner import ModelRunner
-from .sampling import SamplingError, SamplingParams
+from .runner import ModelRunner, StepLogits
+from .sampling import SamplingError, SamplingParams, sample
 from .scales import resolve_kv_cache
 from .scheduler import ScheduledSeq, Scheduler
-from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+from .sequence import RequestOutput, Sequence, SequenceStatus
 from .stats import EngineStats
+from .stop import check_stop
 
 __all__ = ["LLMEngine", "RequestError"]
 
@@ -87,7 +90,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.eos_token_ids = self._eos_ids()
         self._decoders = {skip: make_decoder(self.tokenizer, skip) for skip in (False, True)}
-        self.requests: dict[str, Sequence] = {}
+        self.token_text = TokenTexts(self._decoders[False][0])  # names the tokens of logprobs
+        self.requests: dict[str, ParallelRequest] = {}
         self._ids = itertools.count()
         self.capacity = capacity_line(self.cache, self.max_model_len)
         logger.info(self.capacity)
@@ -169,6 +173,10 @@ class LLMEngine:
         if n > limit:
             raise RequestError(f"prompt has {n} tokens, more than max_model_len={limit}", "prompt",
                                "context_length_exceeded")
+        if params.num_samples > self.config.max_num_seqs:
+            field = "best_of" if params.best_of is not None else "n"
+            raise RequestError(f"{field}={params.num_samples} samples exceed max_num_seqs={self.config.max_num_seqs}, "
+                               f"the sequences the engine runs at once", field)
         if strict_max_tokens and params.max_tokens is not None and n + params.max_tokens > limit:
             raise RequestError(
                 f"max_tokens={params.max_tokens} does not fit: the prompt has {n} tokens and max_model_len={limit}, "
@@ -180,34 +188,40 @@ class LLMEngine:
                 f"request needs {need} KV blocks ({total} tokens) but the cache has only "
                 f"{self.pool.num_usable_blocks}; raise --kv-cache-memory/--num-blocks or lower max_tokens",
                 "max_tokens" if cdiv(n, self.block_size) <= self.pool.num_usable_blocks else "prompt")
-        detok = IncrementalDetokenizer(*self._decoders[params.skip_special_tokens])
         seq = Sequence(request_id, token_ids, params, self.block_size, prompt if isinstance(prompt, str) else None,
-                       arrival_time, cache_salt, self.config.prefix_caching_hash_algo, detok)
-        self.requests[request_id] = seq
+                       arrival_time, cache_salt, self.config.prefix_caching_hash_algo, self._detokenizer(params))
+        self.requests[request_id] = ParallelRequest(seq)
         self.scheduler.add(seq)
         return request_id
 
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(*self._decoders[params.skip_special_tokens])
+
     def abort_request(self, request_id: str) -> bool:
-        """Stop a waiting or running request and free its blocks; ``False`` if unknown or done."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None or seq.finished:
+        """Stop a waiting or running request (every sample) and free its blocks; ``False`` if unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
             return False
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        seq.metrics.finished_time = time.monotonic()
+        self._finish_all(req, SequenceStatus.FINISHED_ABORTED)
         self._update_gauges()
         return True
+
+    def _finish_all(self, req: ParallelRequest, status: SequenceStatus) -> None:
+        for seq in req.unfinished():
+            self.scheduler.finish(seq, status)
+        req.first.metrics.finished_time = time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- the loop -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, and return outputs of sequences that advanced.
+        """Schedule, run one forward, sample, and return outputs of requests that advanced.
 
         A failure is contained: a request whose sampling or output handling
-        raises is aborted with an ``error`` (finish_reason ``abort``) and its
-        blocks are freed, while the rest of the batch goes on; if the forward
-        itself fails, every request of the step is aborted that way.
+        raises is aborted with an ``error`` (finish_reason ``abort``, every
+        sample) and its blocks are freed, while the rest of the batch goes on;
+        if the forward itself fails, every request of the step is aborted that way.
         """
         sched = self.scheduler.schedule()
         self.stats.num_preemptions = self.scheduler.num_preemptions
@@ -215,63 +229,84 @@ class LLMEngine:
         if sched.empty:
             self._update_gauges()
             return []
-        samples = [item.samples for item in sched.scheduled]  # before num_computed_tokens moves
+        reqs = [self.requests[item.seq.request_id] for item in sched.scheduled]
         try:
-            new_tokens = iter(self.runner.execute(sched, self.block_size))
+            step = self.runner.execute(sched, self.block_size)
         except Exception as e:  # noqa: BLE001 - contained: the engine keeps serving
-            logger.exception("the forward pass failed; aborting the %d requests of this step", len(samples))
-            outputs = [self._fail(item.seq, f"the forward pass failed: {type(e).__name__}: {e}")
-                       for item in sched.scheduled]
+            logger.exception("the forward pass failed; aborting the %d requests of this step", len(reqs))
+            failed = {r.request_id: r for r in reqs}
+            outputs = [self._fail(r, f"the forward pass failed: {type(e).__name__}: {e}") for r in failed.values()]
             self._update_gauges()
             return outputs
         now = time.monotonic()
-        outputs = []
-        for item, sampled in zip(sched.scheduled, samples):
-            token = next(new_tokens) if sampled else None  # taken first, so a failure cannot shift the rest
+        advanced: dict[str, ParallelRequest] = {}
+        for i, (item, req) in enumerate(zip(sched.scheduled, reqs)):
+            if item.seq.finished:  # a sibling's failure earlier in this step aborted the request
+                continue
             try:
-                out = self._advance(item, token, now)
+                if self._advance(i, item, req, step, now):
+                    advanced[req.request_id] = req
             except SamplingError as e:  # the sampler's own report: the reason is all there is to say
-                logger.error("request %s failed; aborting it: %s", item.seq.request_id, e)
-                out = self._fail(item.seq, str(e))
+                logger.error("request %s failed; aborting it: %s", req.request_id, e)
+                advanced[req.request_id] = self._failed(req, str(e))
             except Exception as e:  # noqa: BLE001
-                logger.exception("request %s failed; aborting it", item.seq.request_id)
-                out = self._fail(item.seq, f"{type(e).__name__}: {e}")
-            if out is not None:
-                outputs.append(out)
+                logger.exception("request %s failed; aborting it", req.request_id)
+                advanced[req.request_id] = self._failed(req, f"{type(e).__name__}: {e}")
         self.stats.num_steps += 1
         self._update_gauges()
-        return outputs
+        return [req.output() for req in advanced.values()]
 
-    def _advance(self, item: ScheduledSeq, token, now: float) -> RequestOutput | None:
-        """Account one scheduled sequence's forward and, if it sampled, its new token."""
+    def _advance(self, i: int, item: ScheduledSeq, req: ParallelRequest, step: StepLogits, now: float) -> bool:
+        """Account scheduled item ``i``'s forward and, if it sampled, its new token(s); True if it sampled."""
         seq = item.seq
+        for _, first_row, positions in (r for r in step.inputs.prompt_rows if r[0] == i):
+            rows = step.logits[first_row:first_row + len(positions)]
+            nxt = seq.prompt_token_ids[positions.start + 1:positions.stop + 1]
+            seq.prompt_logprobs.extend(position_logprobs(rows, nxt, [seq.params.prompt_logprobs] * len(nxt),
+                                                         self.token_text))
         seq.num_computed_tokens += item.num_new_tokens
         self.kv_manager.cache_blocks(seq)
         if seq.num_computed_tokens <= seq.num_prompt_tokens:
             self.stats.prompt_tokens += item.num_new_tokens
-        if token is None:
-            return None
-        if isinstance(token, Exception):  # the sampler's error for this row
-            raise token
-        seq.append_token(token)
-        self.stats.generation_tokens += 1
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        self._check_stop(seq)
-        if seq.finished:
-            self.scheduler.finish(seq, seq.status)
-            seq.metrics.finished_time = now
-            self.requests.pop(seq.request_id, None)
-        return self._output(seq)
+        row = step.sample_row(i)
+        if row is None:
+            return False
+        seqs = [seq]
+        if seq.num_forks_pending:  # the prompt is prefilled: sample 0 forks into its siblings
+            children = req.fork(seq, self.kv_manager, self._detokenizer)
+            self.scheduler.add_forks(children)
+            seqs += children
+        rows = row.expand(len(seqs), -1)
+        tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
+        for token in tokens:
+            if isinstance(token, Exception):  # the sampler's error for this row
+                raise token
+        logprobs = [None] * len(seqs)
+        if seq.params.logprobs is not None or req.needs_cumulative_logprob:
+            logprobs = position_logprobs(rows, tokens, [s.params.logprobs or 0 for s in seqs], self.token_text)
+        for s, token, lp in zip(seqs, tokens, logprobs):
+            s.append_token(token, lp)
+            self.stats.generation_tokens += 1
+            if s.metrics.first_token_time is None:
+                s.metrics.first_token_time = now
+            check_stop(s, self.eos_token_ids, self.max_model_len)
+            if s.finished:
+                self.scheduler.finish(s, s.status)
+                s.metrics.finished_time = now
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+        return True
 
-    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
-        """Abort ``seq`` because the engine failed on it; its output carries ``error``."""
-        seq.error = error
-        if not seq.finished:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        seq.metrics.finished_time = time.monotonic()
-        self.requests.pop(seq.request_id, None)
-        return self._output(seq)
+    def _fail(self, req: ParallelRequest, error: str) -> RequestOutput:
+        """Abort every sample of ``req`` because the engine failed on it; its outputs carry ``error``."""
+        return self._failed(req, error).output()
+
+    def _failed(self, req: ParallelRequest, error: str) -> ParallelRequest:
+        for seq in req.seqs:
+            seq.error = error
+        self._finish_all(req, SequenceStatus.FINISHED_ABORTED)
+        self.requests.pop(req.request_id, None)
+        return req
 
     def _update_gauges(self) -> None:
         self.stats.num_running = len(self.scheduler.running)
@@ -279,43 +314,3 @@ class LLMEngine:
         self.stats.kv_usage = self.pool.usage()
         self.stats.prefix_cache_queries = self.kv_manager.prefix_queries
         self.stats.prefix_cache_hits = self.kv_manager.prefix_hits
-
-    def _check_stop(self, seq: Sequence) -> None:
-        """Detokenize the new token and decide whether the sequence is done; O(1) in the output length.
-
-        Stop strings are searched only where they can newly occur: in the text
-        added since the last search, plus the ``len(stop) - 1`` characters
-        before it.
-        """
-        p = seq.params
-        last = seq.output_token_ids[-1]
-        n_out = len(seq.output_token_ids)
-        detok = seq.detokenizer
-        detok.step(seq.output_token_ids)
-        seq.output_text = detok.text
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and last in self.eos_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-            elif last in p.stop_token_ids:
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, last
-            else:
-                checked = seq.stop_checked if detok.append_only else 0
-                for s in p.stop:
-                    at = seq.output_text.find(s, max(0, checked - len(s) + 1))
-                    if at != -1:
-                        seq.output_text = seq.output_text[:at]
-                        seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, s
-                        return
-                seq.stop_checked = len(seq.output_text)
-        if not seq.finished and ((p.max_tokens is not None and n_out >= p.max_tokens)
-                                 or seq.num_tokens >= self.max_model_len):
-            seq.status = SequenceStatus.FINISHED_LENGTH
-        if seq.finished:  # the text of an unfinished last character too, as a full decode gives it
-            detok.flush(seq.output_token_ids)
-            seq.output_text = detok.text
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        comp = CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason(),
-                                seq.stop_reason, seq.error)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [comp], seq.finished,
-                             seq.metrics, seq.metrics.num_cached_tokens)

@@ -101,6 +101,26 @@ class KVCache:
                 total += layer.scale_cache.numel() * 4
         return total
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy blocks ``src[i]`` onto ``dst[i]`` in every layer: K/V bytes and the per-token-head scales.
+
+        Copy-on-write for parallel sampling: a sample about to write into a
+        partly filled block it shares with its siblings gets a private copy
+        first. The bytes are copied as bytes (a uint8 view), so every cache
+        dtype is copied exactly; all sources are read before any destination
+        is written. Static scales are per layer, not per block: nothing to copy.
+        """
+        if not src:
+            return
+        device = self.layers[0].kv.device if self.layers else "cpu"
+        s = torch.tensor(src, dtype=torch.long, device=device)
+        d = torch.tensor(dst, dtype=torch.long, device=device)
+        for layer in self.layers:
+            raw = layer.kv.view(torch.uint8)
+            raw.index_copy_(0, d, raw.index_select(0, s))
+            if layer.scale_cache is not None:
+                layer.scale_cache.index_copy_(0, d, layer.scale_cache.index_select(0, s))
+
     def dtype_summary(self) -> str:
         """e.g. ``fp8_e4m3 x26 + bfloat16 x4`` for a cache with skipped layers (``+hadamard`` when rotated)."""
         counts: dict[str, int] = {}

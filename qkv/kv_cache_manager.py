@@ -18,6 +18,12 @@ class KVCacheManager:
     A sequence's block list *is* its block table: block ``i`` holds tokens
     ``[i * block_size, (i + 1) * block_size)``. Full blocks are published in the
     prefix cache by their chained hash right after their tokens are written.
+
+    Parallel sampling shares blocks between a request's samples by reference
+    count (:meth:`fork`). A sample about to write into a partly filled block
+    that others still hold gets a private copy first: copy-on-write. The copy
+    is queued as ``(src, dst)`` block ids, which the scheduler hands to the
+    runner to do before the step's forward (:meth:`take_copies`).
     """
 
     def __init__(self, pool: BlockPool, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -27,6 +33,8 @@ class KVCacheManager:
         self.prefix_queries = 0  # prompt tokens of admitted requests, looked up in the prefix cache
         self.prefix_hits = 0     # tokens of those found there
         self.offload = None      # a qkv.offload.KVOffload when the second tier is on (the engine sets it)
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) block ids not yet done
+        self.num_copies = 0      # copy-on-write block copies handed out since start
 
     def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
         """The longest run of cached full blocks that starts the sequence.
@@ -76,10 +84,13 @@ class KVCacheManager:
         computed_blocks = computed_blocks or []
         num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         need = cdiv(num_computed + num_new_tokens, self.block_size) - len(seq.blocks) - len(computed_blocks)
+        cow = self._shared_write_block(seq, num_new_tokens)
         # Hits that are free (ref 0) are still counted in num_free_blocks: do not allocate them twice.
         evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks - evictable_hits:
+        if max(need, 0) + (cow is not None) > self.pool.num_free_blocks - evictable_hits:
             return False
+        if cow is not None:
+            self._copy_on_write(seq, cow)
         if computed_blocks:
             self.pool.touch(computed_blocks)
             seq.blocks.extend(computed_blocks)
@@ -102,8 +113,37 @@ class KVCacheManager:
             self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i])
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` every block of ``parent``, partly filled last block included (ref counts +1)."""
+        self.pool.touch(parent.blocks)
+        child.blocks = list(parent.blocks)
+
+    def _shared_write_block(self, seq: Sequence, num_new_tokens: int) -> int | None:
+        """Index of the block this step writes into first, if another sequence holds it too."""
+        i = seq.num_computed_tokens // self.block_size
+        if num_new_tokens > 0 and i < len(seq.blocks) and seq.blocks[i].ref_cnt > 1:
+            return i
+        return None
+
+    def _copy_on_write(self, seq: Sequence, i: int) -> None:
+        """Swap block ``i`` for a private copy; the others keep the original (its ref count drops by one)."""
+        shared = seq.blocks[i]
+        (private,) = self.pool.get_new_blocks(1)
+        self.pool.free_blocks([shared])
+        seq.blocks[i] = private
+        self._copies.append((shared.block_id, private.block_id))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The queued copy-on-write ``(src, dst)`` pairs, in order; the caller must copy before writing."""
+        copies, self._copies = self._copies, []
+        self.num_copies += len(copies)
+        return copies
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, tail first, so its prefix stays cached longest."""
+        if self._copies:  # preempted in the step that copied: its private copy is freed, not filled
+            mine = {b.block_id for b in seq.blocks}
+            self._copies = [(s, d) for s, d in self._copies if d not in mine]
         self.pool.free_blocks(reversed(seq.blocks))
         seq.blocks = []
         seq.num_computed_tokens = 0

@@ -4,22 +4,23 @@ All sequences of a step are concatenated into a single batch of one row
 (``input_ids [1, T]``) with explicit ``position_ids``; each sequence's slice of
 the row is described by ``query_start_loc`` and ``seq_lens`` (vLLM's varlen
 metadata), and its cache by a block table. Only the rows that need a next
-token produce logits (``logits_to_keep`` with indices).
+token, and the prompt positions whose logprobs were asked for, produce logits
+(``logits_to_keep`` with indices). The engine samples from them.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from .attention import AttentionBackend, StepContext
 from .batch_invariant import BatchInvariantLinear
 from .kv_cache import KVCache
-from .sampling import SamplingError, sample
 from .scheduler import SchedulerOutput
 
-__all__ = ["ModelRunner", "StepInputs", "build_step_inputs"]
+__all__ = ["ModelRunner", "StepInputs", "StepLogits", "build_step_inputs"]
 
 
 class StepInputs:
@@ -27,7 +28,8 @@ class StepInputs:
 
     def __init__(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
                  block_tables: list[list[int]], seq_lens: list[int], query_start_loc: list[int],
-                 logits_indices: list[int]) -> None:
+                 logits_indices: list[int], sample_rows: list[int | None] | None = None,
+                 prompt_rows: list[tuple[int, int, range]] | None = None) -> None:
         self.input_ids = input_ids
         self.positions = positions
         self.slot_mapping = slot_mapping
@@ -35,6 +37,22 @@ class StepInputs:
         self.seq_lens = seq_lens
         self.query_start_loc = query_start_loc
         self.logits_indices = logits_indices
+        # Per scheduled item: its row among the logits (None: it does not sample this step).
+        self.sample_rows = sample_rows if sample_rows is not None else []
+        # (item index, first row among the logits, the prompt positions those rows are) for prompt logprobs.
+        self.prompt_rows = prompt_rows if prompt_rows is not None else []
+
+
+@dataclass
+class StepLogits:
+    """What one forward produced: ``logits`` rows, and which item and position each row is."""
+
+    logits: torch.Tensor
+    inputs: StepInputs
+
+    def sample_row(self, item: int) -> torch.Tensor | None:
+        row = self.inputs.sample_rows[item]
+        return None if row is None else self.logits[row]
 
 
 def build_step_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:
@@ -45,7 +63,9 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:
     seq_lens: list[int] = []
     qsl = [0]
     logits_indices: list[int] = []
-    for item in sched.scheduled:
+    sample_rows: list[int | None] = []
+    prompt_rows: list[tuple[int, int, range]] = []
+    for i, item in enumerate(sched.scheduled):
         seq, n = item.seq, item.num_new_tokens
         start = seq.num_computed_tokens
         tokens = seq.all_token_ids
@@ -56,12 +76,17 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:
             slots.append(ids[pos // block_size] * block_size + pos % block_size)
         tables.append(ids)
         seq_lens.append(start + n)
+        scored = seq.prompt_logprob_positions(start, n)
+        if scored:
+            prompt_rows.append((i, len(logits_indices), scored))
+            logits_indices.extend(qsl[-1] + p - start for p in scored)
         qsl.append(qsl[-1] + n)
+        sample_rows.append(len(logits_indices) if item.samples else None)
         if item.samples:
             logits_indices.append(qsl[-1] - 1)
     width = max(len(t) for t in tables)
     tables = [t + [0] * (width - len(t)) for t in tables]  # pad with the null block
-    return StepInputs(input_ids, positions, slots, tables, seq_lens, qsl, logits_indices)
+    return StepInputs(input_ids, positions, slots, tables, seq_lens, qsl, logits_indices, sample_rows, prompt_rows)
 
 
 class ModelRunner:
@@ -107,9 +132,9 @@ class ModelRunner:
             )
         return out.logits[0]
 
-    def execute(self, sched: SchedulerOutput, block_size: int) -> list[int | SamplingError]:
-        """Forward the step and sample one token for every sequence that reached its end."""
+    def execute(self, sched: SchedulerOutput, block_size: int) -> StepLogits:
+        """Do the step's copy-on-write block copies, then its forward; the engine samples from the logits."""
+        src_dst = sched.block_copies
+        self.cache.copy_blocks([s for s, _ in src_dst], [d for _, d in src_dst])
         inp = build_step_inputs(sched, block_size)
-        logits = self.forward(inp)
-        sampling = [s.seq for s in sched.scheduled if s.samples]
-        return sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+        return StepLogits(self.forward(inp), inp)

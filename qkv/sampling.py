@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-__all__ = ["SamplingParams", "SamplingError", "sample", "SEED_MIN", "SEED_MAX"]
+__all__ = ["SamplingParams", "SamplingError", "sample", "SEED_MIN", "SEED_MAX", "MAX_SAMPLES", "MAX_LOGPROBS"]
 
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+MAX_SAMPLES = 128   # n and best_of: one request may hold at most this many sequences
+MAX_LOGPROBS = 20   # top alternatives per position (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
 
 
 def _is_int(x) -> bool:
@@ -34,6 +36,19 @@ class SamplingParams:
     gives the request its own generator, so its samples do not depend on what
     else is batched with it.
 
+    Parallel sampling: the request runs ``best_of`` samples (default ``n``) on
+    the prompt's shared blocks and returns ``n``; with ``best_of > n``, the ``n``
+    with the highest cumulative logprob. Sample ``i`` draws from its own
+    generator seeded with ``seed + i`` (vLLM's rule), so ``n=4, seed=s`` gives
+    what four requests with seeds ``s .. s+3`` give; without a seed every
+    sample draws from the global generator, so samples differ.
+
+    ``logprobs=k`` returns each sampled token's logprob and the top ``k``
+    alternatives; ``prompt_logprobs=k`` the same for every prompt token after
+    the first. Both are *raw* logprobs (vLLM's default ``logprobs_mode``): the
+    ``log_softmax`` of the model's fp32 logits, before temperature, top-k and
+    top-p, i.e. of the very logits the sampler was handed (see ``qkv/logprobs.py``).
+
     Every field is checked, type and range, when the object is built, and the
     error names the field: a bad value must fail here, in the caller's hands,
     not inside an engine step where other requests share the batch. The engine
@@ -51,6 +66,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,14 +85,23 @@ class SamplingParams:
         # Plain Python numbers from here on (numpy scalars are accepted above).
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         self.n, self.top_k, self.min_tokens = int(self.n), int(self.top_k), int(self.min_tokens)
+        for name in ("best_of", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, int(getattr(self, name)))
         self.seed = None if self.seed is None else int(self.seed)
         self.max_tokens = None if self.max_tokens is None else int(self.max_tokens)
         self.stop_token_ids = [int(i) for i in self.stop_token_ids]
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that has a wrong type or value."""
-        if not _is_int(self.n) or self.n != 1:
-            raise ValueError(f"n must be 1, got {self.n!r} (parallel sampling is not supported)")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_SAMPLES:
+            raise _bad("n", f"an integer in [1, {MAX_SAMPLES}]", self.n)
+        if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_SAMPLES):
+            raise _bad("best_of", f"None or an integer in [n, {MAX_SAMPLES}] (n is {self.n})", self.best_of)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise _bad(name, f"None or an integer in [0, {MAX_LOGPROBS}]", v)
         t = self.temperature
         if not _is_real(t) or not math.isfinite(t) or t < 0:
             raise _bad("temperature", "a finite number >= 0 (0 is greedy)", t)
@@ -84,6 +111,9 @@ class SamplingParams:
             raise _bad("top_k", "an integer >= -1 (0 or -1 disables)", self.top_k)
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise _bad("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}] or None", self.seed)
+        if self.seed is not None and self.seed + self.num_samples - 1 > SEED_MAX:
+            raise _bad("seed", f"at most {SEED_MAX - self.num_samples + 1}, so that every sample's seed "
+                               f"(seed + i for i < {self.num_samples}) is valid", self.seed)
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise _bad("max_tokens", "an integer >= 1 or None", self.max_tokens)
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -101,6 +131,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the request runs: ``best_of``, or ``n`` without it."""
+        return self.n if self.best_of is None else self.best_of
+
+    def for_sample(self, i: int) -> SamplingParams:
+        """The params of sample ``i``: a single sequence seeded ``seed + i`` (sample 0 keeps this object)."""
+        if i == 0:
+            return self
+        return replace(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i)
 
 
 _FP32_TINY = torch.finfo(torch.float32).tiny

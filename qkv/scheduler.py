@@ -8,6 +8,13 @@ the *newest* running sequence is preempted: its blocks are freed and it goes
 back to the front of the waiting queue to be recomputed later (vLLM's
 ``RECOMPUTE`` policy). Waiting sequences are admitted while budget, blocks and
 ``max_num_seqs`` allow, starting from their prefix-cache hits.
+
+The samples of a parallel-sampling request are sequences like any other: a
+request counts for all its samples against ``max_num_seqs`` from its
+admission, its forks join the running list after the prefill
+(:meth:`Scheduler.add_forks`), and preempting one sample frees only its own
+block references. A request that wants prompt logprobs is prefilled without
+prefix-cache hits until they are all computed (as vLLM does): a hit has no logits.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -97,9 +105,12 @@ class Scheduler:
             break  # the sequence itself was preempted; everything after it is gone too
 
         # 2. Waiting sequences, FIFO, while nothing was preempted this step.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        num_seqs = len(self.running) + sum(s.num_forks_pending for s in self.running)
+        while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
-            hits = self.kv.get_computed_blocks(seq) if not seq.blocks else []
+            if num_seqs + 1 + seq.num_forks_pending > self.max_num_seqs:
+                break
+            hits = self.kv.get_computed_blocks(seq) if not seq.blocks and not seq.needs_prompt_logprobs else []
             cached = len(hits) * self.kv.block_size
             n = min(seq.num_tokens - seq.num_computed_tokens - cached, budget)
             if not self.kv.allocate_slots(seq, n, hits):
@@ -111,9 +122,17 @@ class Scheduler:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
             self.running.append(seq)
+            num_seqs += 1 + seq.num_forks_pending
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+        out.block_copies = self.kv.take_copies()
         return out
+
+    def add_forks(self, children: list[Sequence]) -> None:
+        """Run a request's new samples, forked from a running sequence whose blocks they share."""
+        for child in children:
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """Remove a finished or aborted sequence and free its blocks."""

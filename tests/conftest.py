@@ -28,6 +28,16 @@ def tiny_dir(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests: a step of a 64-wide model is microseconds of
+    work, and on a busy 2-core machine torch's thread pool spends ~100x that waiting for its threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def data_file():
     """``data_file("wikitext-2/wiki.test.raw")`` -> its path, found by :mod:`qkv.data_files`' rule.

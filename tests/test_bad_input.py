@@ -95,7 +95,9 @@ def test_request_needing_more_blocks_than_exist(tiny_dir):
     (dict(min_tokens=5, max_tokens=2), r"min_tokens must be <= max_tokens \(2\), got 5"),
     (dict(min_tokens=-1), "min_tokens must be an integer >= 0, got -1"),
     (dict(ignore_eos="yes"), "ignore_eos must be true or false, got 'yes'"),
-    (dict(n=2), "n must be 1"),
+    (dict(n=0), r"n must be an integer in \[1, 128\], got 0"),
+    (dict(n=2, best_of=1), r"best_of must be None or an integer in \[n, 128\] \(n is 2\), got 1"),
+    (dict(logprobs=-1), r"logprobs must be None or an integer in \[0, 20\], got -1"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -160,13 +160,14 @@ ERROR_CASES = [
      "max_tokens", None),
     ("max-tokens-negative-chat", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, 400, "max_tokens", None),
-    ("n-2", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", None),
-    ("n-3-chat", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3},
-     400, "n", None),
+    ("n-0", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", None),
+    ("best-of-below-n-chat", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3, "best_of": 2}, 400, "best_of", None),
+    ("logprobs-21", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
     ("top-p-range", "/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p", None),
     ("empty-prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
     ("bad-token-id", "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}, 400, "prompt", None),
-    ("two-prompts", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ("second-prompt-empty", "/v1/completions", {"model": MODEL, "prompt": ["a", ""]}, 400, "prompt", None),
     ("empty-messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
     ("unknown-model", "/v1/completions", {"model": "gpt-17", "prompt": "hi"}, 404, "model", "model_not_found"),
     ("unknown-model-chat", "/v1/chat/completions",
@@ -207,7 +208,7 @@ def test_openai_client_raises_typed_errors(server):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}])
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):  # a streaming request is rejected before the stream starts
-        client.completions.create(model=MODEL, prompt="hi", n=2, stream=True)
+        client.completions.create(model=MODEL, prompt="hi", n=2, best_of=3, stream=True)
 
 
 def test_api_key(server):

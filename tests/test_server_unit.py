@@ -11,7 +11,7 @@ import pytest
 from qkv import LLM, SamplingParams
 from qkv.server.app import kv_report
 from qkv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
-from qkv.server.serving import TextDeltas
+from qkv.server.streaming import TextDeltas
 from test_server_support import running_app
 
 
@@ -41,10 +41,10 @@ def test_parse_request_errors():
         parse_request(CompletionRequest, "just a string")
     assert e.value.status == 400
     req = parse_request(CompletionRequest, {"prompt": ["one"], "temperature": 0, "top_k": 5, "unknown": 1})
-    assert req.single_prompt() == "one"
+    assert req.prompts() == ["one"]
     sp = req.sampling_params(req.max_tokens)
     assert (sp.temperature, sp.top_k, sp.max_tokens) == (0.0, 5, 16)
-    for bad, param in (({"n": 2}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 3, "max_tokens": 2},
+    for bad, param in (({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 3, "max_tokens": 2},
                                                                              "min_tokens")):
         r = parse_request(CompletionRequest, {"prompt": "x", **bad})
         with pytest.raises(APIError) as e:

@@ -167,6 +167,8 @@ def kv_report(engine) -> dict:
         "num_free_blocks": pool.num_free_blocks,
         "num_cached_blocks": len(pool.cached),
         "num_referenced_blocks": referenced,
+        "num_shared_blocks": pool.num_shared_blocks(),  # ref count > 1: parallel samples share the prompt
+        "num_cow_copies": engine.kv_manager.num_copies,
         "num_running": len(engine.scheduler.running),
         "num_waiting": len(engine.scheduler.waiting),
         "num_unfinished_requests": len(engine.requests),

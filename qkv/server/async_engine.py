@@ -3,8 +3,9 @@
 The engine thread owns the engine. It sleeps on a command queue while idle and,
 while there is work, alternates: apply every queued command (add, abort, call),
 then ``step()``. Each step's outputs are handed to the asyncio loop in one
-``call_soon_threadsafe``, one :class:`asyncio.Queue` per request. So requests
-that arrive while others decode join the very next step (continuous batching).
+``call_soon_threadsafe``, one :class:`asyncio.Queue` per request, or one shared
+by the requests of a batch of prompts. So requests that arrive while others
+decode join the very next step (continuous batching).
 """
 
 from __future__ import annotations
@@ -92,15 +93,17 @@ class AsyncEngine:
 
     # -- requests (asyncio side) -------------------------------------------------
     async def add(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                  arrival_time: float | None = None, **options) -> asyncio.Queue:
+                  arrival_time: float | None = None, queue: asyncio.Queue | None = None, **options) -> asyncio.Queue:
         """Queue a request; raises the engine's ``ValueError`` if it rejects it.
 
+        ``queue`` receives its outputs (a new one if None; pass one queue for
+        several requests to read them together with :meth:`outputs`).
         ``options`` go to ``LLMEngine.add_request`` (``cache_salt``, ``strict_max_tokens``).
         """
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         fut = self._loop.create_future()
-        out: asyncio.Queue = asyncio.Queue()
+        out: asyncio.Queue = queue if queue is not None else asyncio.Queue()
         args = (prompt, params, arrival_time or time.monotonic(), out, options)
         self._cmds.put(_Cmd("add", request_id, args, fut))
         try:
@@ -122,21 +125,21 @@ class AsyncEngine:
         self._cmds.put(_Cmd("call", None, (fn,), fut))
         return await fut
 
-    async def outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Yield an added request's outputs until it finishes; leaving early aborts it (frees its blocks)."""
-        finished = False
+    async def outputs(self, request_ids: str | list[str], q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield the outputs of requests added with queue ``q`` until all finish; leaving early aborts
+        the unfinished ones (frees their blocks)."""
+        pending = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         try:
-            while True:
+            while pending:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item
                 if item.finished:
-                    finished = True
-                    return
+                    pending.discard(item.request_id)
+                yield item
         finally:
-            if not finished:
-                self.abort(request_id)
+            for rid in pending:
+                self.abort(rid)
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -237,7 +240,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            n = len(out.outputs[0].token_ids)
+            n = max(len(c.token_ids) for c in out.outputs)  # samples advance together: one token each per step
             if m is not None and n > stream.num_tokens:
                 if stream.last_token_time is None:
                     if out.metrics.ttft is not None:

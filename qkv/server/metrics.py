@@ -32,6 +32,8 @@ def snapshot_engine(engine) -> dict:
         "num_requests_running": len(engine.scheduler.running),
         "num_requests_waiting": len(engine.scheduler.waiting),
         "kv_cache_usage_perc": engine.pool.usage(),
+        "kv_shared_blocks": engine.pool.num_shared_blocks(),
+        "kv_cow_copies": engine.kv_manager.num_copies,
         "prefix_cache_queries": st.prefix_cache_queries,
         "prefix_cache_hits": st.prefix_cache_hits,
         "num_preemptions": st.num_preemptions,
@@ -44,10 +46,12 @@ _GAUGES = {
     "num_requests_running": "Number of requests in the running batch.",
     "num_requests_waiting": "Number of requests waiting to be scheduled.",
     "kv_cache_usage_perc": "Fraction of KV-cache blocks held by requests (1 = full).",
+    "kv_shared_blocks": "KV-cache blocks held by more than one sequence (e.g. parallel samples of a prompt).",
 }
 _COUNTERS = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache, once per admitted request.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache, once per admitted request.",
+    "kv_cow_copies": "Copy-on-write block copies (a sample's first write into a shared partly filled block).",
     "num_preemptions": "Preemptions (recompute) since start.",
     "prompt_tokens": "Prefill tokens computed (prefix-cache hits excluded).",
     "generation_tokens": "Generated tokens.",

@@ -5,8 +5,14 @@ silent coercion, and numbers are checked against the ranges OpenAI and vLLM
 use (``temperature`` 0 to 2, finite; ``seed`` a signed 64-bit integer).
 Unknown fields are ignored, as OpenAI-compatible servers do. Besides OpenAI's
 fields, the vLLM extensions ``top_k``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``skip_special_tokens`` and ``cache_salt`` are accepted
-(the ``openai`` client sends them through ``extra_body``).
+``stop_token_ids``, ``skip_special_tokens``, ``cache_salt`` and ``best_of`` on
+chat are accepted (the ``openai`` client sends them through ``extra_body``).
+
+``n``/``best_of`` run parallel samples (``best_of`` > ``n`` only without
+streaming: the best are known at the end). Logprobs follow OpenAI: on chat
+``logprobs: true`` and ``top_logprobs: k``; on completions ``logprobs: k``, and
+with ``echo`` the prompt's logprobs too (``max_tokens: 0`` with ``echo`` returns
+the prompt alone, as vLLM does). ``k`` is at most 20.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..sampling import SamplingParams
+from ..sampling import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "error_body", "parse_request"]
 
@@ -55,6 +61,7 @@ def _finite(ge: float | None = None, le: float | None = None, gt: float | None =
 
 
 _INT64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]
+_TOP = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Strict(BaseModel):
@@ -75,6 +82,7 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int | None = None
+    best_of: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -82,7 +90,6 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     presence_penalty: _finite(ge=-2, le=2) | None = None
     frequency_penalty: _finite(ge=-2, le=2) | None = None
-    logprobs: bool | int | None = None
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM: isolates this tenant's prefix cache
 
@@ -90,14 +97,26 @@ class _SamplingFields(_Strict):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported by qkv (send 0 or leave it out)", param=name)
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by qkv", param="logprobs")
+        n = 1 if self.n is None else self.n
+        if self.stream and self.best_of is not None and self.best_of != n:
+            raise APIError(400, f"best_of must equal n ({n}) when streaming: which samples are the best is "
+                                f"known only when all have finished", param="best_of")
+
+    def sample_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: how many alternatives per sampled token (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs(self) -> int | None:
+        return None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """Build engine sampling params; their validation errors become 400s naming the field."""
         try:
             return SamplingParams(
                 n=1 if self.n is None else self.n,
+                best_of=self.best_of,
+                logprobs=self.sample_logprobs(),
+                prompt_logprobs=self.prompt_logprobs(),
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0,
@@ -127,26 +146,39 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    logprobs: _TOP | bool | None = None  # OpenAI: an integer; false is taken as none, true is refused
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: a string, token ids, or a list of either (choice index = prompt * n + sample)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, f"got {len(p)} prompts; qkv takes one prompt per request", param="prompt")
-            p = p[0]
-        if isinstance(p, list) and not p or p == "":
-            raise APIError(400, "prompt is empty: give at least one token", param="prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for one in batch:
+            if isinstance(one, list) and not one or one == "":
+                raise APIError(400, "prompt is empty: give at least one token", param="prompt")
+        return batch
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens  # vLLM too generates one token, then drops it
+
+    def sample_logprobs(self) -> int | None:
+        return None if self.logprobs is False else self.logprobs
+
+    def prompt_logprobs(self) -> int | None:
+        return self.sample_logprobs() if self.echo else None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise APIError(400, "echo is not supported by qkv", param="echo")
+        if self.logprobs is True:
+            raise APIError(400, f"logprobs on /v1/completions is the number of alternatives per token, "
+                                f"an integer in [0, {MAX_LOGPROBS}], not true", param="logprobs")
         if self.suffix:
             raise APIError(400, "suffix is not supported by qkv", param="suffix")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of must be 1", param="best_of")
 
 
 class TextPart(_Strict):
@@ -171,6 +203,11 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     tools: list | None = None
+    logprobs: bool | None = None
+    top_logprobs: _TOP | None = None
+
+    def sample_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
         if not self.messages:
@@ -190,6 +227,8 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_unsupported()
         if self.tools:
             raise APIError(400, "tools are not supported by qkv", param="tools")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
 def parse_request(cls: type[_SamplingFields], data: object) -> _SamplingFields:

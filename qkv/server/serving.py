@@ -1,10 +1,15 @@
-"""``/v1/completions`` and ``/v1/chat/completions``: request -> engine -> OpenAI JSON or SSE chunks."""
+"""``/v1/completions`` and ``/v1/chat/completions``: request -> engine requests -> OpenAI JSON or SSE chunks.
+
+A completion request's prompts (one, or a list, as OpenAI and vLLM take them)
+become one engine request each, all delivering to one queue; the choices of
+their samples are numbered and rendered by :mod:`.choices`, and streamed by
+:mod:`.streaming`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,63 +21,13 @@ from starlette.background import BackgroundTask
 from ..engine import RequestError
 from ..sequence import RequestOutput
 from .async_engine import AsyncEngine, EngineDeadError
+from .choices import Batch, Echo, failure
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from .streaming import chat_stream, completion_stream, dead
 
 __all__ = ["OpenAIServing"]
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-class TextDeltas:
-    """Turn the engine's full-text-so-far into deltas that never have to be taken back.
-
-    While a request runs, trailing U+FFFD (an incomplete UTF-8 character) and the
-    last ``len(longest stop string) - 1`` characters are held back: the engine
-    truncates the text at a stop string once it is complete, and the start of
-    one must not have been sent already. The final delta sends the rest.
-    """
-
-    def __init__(self, stop: list[str]) -> None:
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.sent = 0
-
-    def __call__(self, text: str, finished: bool) -> str:
-        end = len(text)
-        if not finished:
-            end -= self.hold
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
-        if end <= self.sent:
-            return ""
-        delta, self.sent = text[self.sent:end], end
-        return delta
-
-
-def _usage(out: RequestOutput) -> dict:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
-
-
-def _sse(obj: dict | str) -> str:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-def _finish_reason(out: RequestOutput) -> str | None:
-    return out.outputs[0].finish_reason if out.finished else None
-
-
-def _failure(out: RequestOutput) -> APIError | None:
-    """The engine aborted this request because it failed on it (a bug of ours, so a 500)."""
-    error = out.outputs[0].error
-    return None if error is None else APIError(500, f"the engine failed on this request: {error}",
-                                               type="server_error", code=500)
-
-
-def _dead(e: EngineDeadError) -> APIError:
-    """The engine stopped (shutdown, or it died): 503, the request may be retried elsewhere."""
-    return APIError(503, str(e), type="service_unavailable", code=503)
 
 
 class OpenAIServing:
@@ -95,17 +50,21 @@ class OpenAIServing:
     async def completions(self, request: Request, data: object) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, data)
         model = self.check_model(req.model)
-        prompt = req.single_prompt()
-        params = req.sampling_params(req.max_tokens)
+        prompts: list = req.prompts()
+        params = req.sampling_params(req.engine_max_tokens)
+        echoes = [Echo() for _ in prompts] if req.echo else None
+        if echoes is not None:  # the prompt's text and first token are read on the engine thread
+            prompts = [e.resolver(p) for e, p in zip(echoes, prompts)]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return await self._serve(request, req, rid, model, prompt, params, "prompt", chat=False)
+        ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+        batch = Batch(ids, params.n, params.logprobs, echoes, req.echo_only)
+        return await self._serve(request, req, rid, batch, model, prompts, params, "prompt", chat=False)
 
     async def chat(self, request: Request, data: object) -> Response:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, data)
         model = self.check_model(req.model)
         messages = req.template_messages()
         params = req.sampling_params(req.effective_max_tokens)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
 
         def render(engine) -> list[int]:  # runs on the engine thread: tokenizers are not thread-safe
             tok = engine.tokenizer
@@ -115,18 +74,32 @@ class OpenAIServing:
             # The template already holds any BOS: do not add special tokens again (as vLLM does).
             return tok(text, add_special_tokens=False)["input_ids"]
 
-        return await self._serve(request, req, rid, model, render, params, "messages", chat=True)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        batch = Batch([rid], params.n, params.logprobs)
+        return await self._serve(request, req, rid, batch, model, [render], params, "messages", chat=True)
 
     # -- common path ------------------------------------------------------------
-    async def _serve(self, request: Request, req, rid: str, model: str, prompt, params, prompt_param: str,
-                     chat: bool) -> Response:
+    async def _add(self, req, batch: Batch, prompts: list, params, queue: asyncio.Queue) -> None:
+        """Add every prompt's engine request, or none: a refused prompt aborts those added before it."""
         arrival = time.monotonic()
+        added: list[str] = []
         try:
-            # strict_max_tokens: a max_tokens past the context is a 400, as in vLLM, not silently clamped.
-            q = await self.engine.add(rid, prompt, params, arrival, cache_salt=req.cache_salt,
+            for rid, prompt in zip(batch.ids, prompts):
+                # strict_max_tokens: a max_tokens past the context is a 400, as in vLLM, not silently clamped.
+                await self.engine.add(rid, prompt, params, arrival, queue=queue, cache_salt=req.cache_salt,
                                       strict_max_tokens=True)
+                added.append(rid)
+        except BaseException:
+            self._abort(added)
+            raise
+
+    async def _serve(self, request: Request, req, rid: str, batch: Batch, model: str, prompts: list, params,
+                     prompt_param: str, chat: bool) -> Response:
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            await self._add(req, batch, prompts, params, queue)
         except EngineDeadError as e:
-            raise _dead(e) from None
+            raise dead(e) from None
         except RequestError as e:
             param = prompt_param if e.param == "prompt" else req.param_name(e.param) or e.param
             raise APIError(400, str(e), param=param, code=e.code) from None
@@ -134,91 +107,41 @@ class OpenAIServing:
             raise APIError(400, str(e), param=prompt_param) from None
         except Exception as e:  # e.g. a chat template that rejects the roles given
             raise APIError(400, f"cannot build the prompt: {type(e).__name__}: {e}", param=prompt_param) from None
-        outputs = self.engine.outputs(rid, q)
-        created = int(time.time())
+        outputs = self.engine.outputs(batch.ids, queue)
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": model}
         if req.stream:
-            gen = self._chat_stream if chat else self._completion_stream
+            stream = chat_stream if chat else completion_stream
             # The background abort covers a client gone before the stream's first chunk (the generators'
-            # own clean-up never runs then); for a finished request it is a no-op.
-            return StreamingResponse(gen(outputs, rid, model, created, params.stop, req.include_usage),
+            # own clean-up never runs then); for finished requests it is a no-op.
+            return StreamingResponse(stream(outputs, batch, base, params.stop, req.include_usage),
                                      media_type="text/event-stream", headers=_SSE_HEADERS,
-                                     background=BackgroundTask(self.engine.abort, rid))
-        final = await _until_done_or_disconnect(request, outputs)
-        if final is None:  # client left: the request was aborted
+                                     background=BackgroundTask(self._abort, batch.ids))
+        finals = await _until_done_or_disconnect(request, outputs)
+        if finals is None:  # client left: the requests were aborted
             return Response(status_code=499)
-        failure = _failure(final)
-        if failure is not None:
-            raise failure
-        comp = final.outputs[0]
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": comp.text},
-                      "logprobs": None, "finish_reason": comp.finish_reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": comp.text, "logprobs": None, "finish_reason": comp.finish_reason}
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
-                             "choices": [choice], "usage": _usage(final)})
+        for out in finals.values():
+            if failure(out) is not None:
+                raise failure(out)
+        choices = batch.chat_choices(finals) if chat else batch.completion_choices(finals)
+        return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion",
+                             "choices": choices, "usage": batch.usage(finals)})
 
-    async def _completion_stream(self, outputs: AsyncIterator[RequestOutput], rid: str, model: str,
-                                 created: int, stop: list[str], include_usage: bool) -> AsyncIterator[str]:
-        deltas = TextDeltas(stop)
-        base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        extra = {"usage": None} if include_usage else {}
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)
+
+
+async def _until_done_or_disconnect(request: Request,
+                                    outputs: AsyncIterator[RequestOutput]) -> dict[str, RequestOutput] | None:
+    """Run non-streaming requests to the end (their last outputs by id); abort them if the client leaves first."""
+
+    async def collect() -> dict[str, RequestOutput]:
+        last: dict[str, RequestOutput] = {}
         async with contextlib.aclosing(outputs):
-            try:
-                async for out in outputs:
-                    if _failure(out) is not None:
-                        yield _sse(_failure(out).body())
-                        break
-                    text = deltas(out.outputs[0].text, out.finished)
-                    if text or out.finished:
-                        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish_reason(out)}
-                        yield _sse({**base, "choices": [choice], **extra})
-                    if out.finished and include_usage:
-                        yield _sse({**base, "choices": [], "usage": _usage(out)})
-            except EngineDeadError as e:
-                yield _sse(_dead(e).body())
-        yield _sse("[DONE]")
-
-    async def _chat_stream(self, outputs: AsyncIterator[RequestOutput], rid: str, model: str,
-                           created: int, stop: list[str], include_usage: bool) -> AsyncIterator[str]:
-        deltas = TextDeltas(stop)
-        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        extra = {"usage": None} if include_usage else {}
-
-        def chunk(delta: dict, finish: str | None) -> str:
-            return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                              "finish_reason": finish}], **extra})
-
-        yield chunk({"role": "assistant", "content": ""}, None)
-        async with contextlib.aclosing(outputs):
-            try:
-                async for out in outputs:
-                    if _failure(out) is not None:
-                        yield _sse(_failure(out).body())
-                        break
-                    text = deltas(out.outputs[0].text, out.finished)
-                    if text:
-                        yield chunk({"content": text}, None)
-                    if out.finished:
-                        yield chunk({}, _finish_reason(out))
-                        if include_usage:
-                            yield _sse({**base, "choices": [], "usage": _usage(out)})
-            except EngineDeadError as e:
-                yield _sse(_dead(e).body())
-        yield _sse("[DONE]")
-
-
-async def _until_done_or_disconnect(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-    """Run a non-streaming request to the end, aborting it if the client disconnects first."""
-
-    async def collect() -> RequestOutput:
-        async with contextlib.aclosing(outputs):
-            last = None
-            async for last in outputs:  # noqa: B007 - the loop keeps the last output
-                pass
-            return last
+            async for out in outputs:
+                last[out.request_id] = out
+        return last
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -230,7 +153,7 @@ async def _until_done_or_disconnect(request: Request, outputs: AsyncIterator[Req
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():  # the client left (or this handler was cancelled): abort the request
+        if not work.done():  # the client left (or this handler was cancelled): abort the requests
             work.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await work
@@ -239,4 +162,4 @@ async def _until_done_or_disconnect(request: Request, outputs: AsyncIterator[Req
     try:
         return work.result()
     except EngineDeadError as e:
-        raise _dead(e) from None
+        raise dead(e) from None
