@@ -8,5 +8,17 @@ from .checkpoint import write_checkpoint, write_scales_file
 from .data import RawData, Samples, build_samples, load_rows
 from .run import STRATEGIES, Calibration, calibrate, calibrate_grid, load_engine, observe
 
-__all__ = ["STRATEGIES", "Calibration", "RawData", "Samples", "build_samples", "calibrate", "calibrate_grid",
-           "load_engine", "load_rows", "observe", "write_checkpoint", "write_scales_file"]
+__all__ = [
+    "STRATEGIES",
+    "Calibration",
+    "RawData",
+    "Samples",
+    "build_samples",
+    "calibrate",
+    "calibrate_grid",
+    "load_engine",
+    "load_rows",
+    "observe",
+    "write_checkpoint",
+    "write_scales_file",
+]

@@ -79,8 +79,9 @@ class _Scorer:
         return 100.0 * (math.exp((nll - base) / self.num_tokens) - 1.0)
 
 
-def select_skip_layers(engine, cal: Calibration, windows: list[list[int]], max_ppl_delta: float,
-                       progress: bool = True) -> dict:
+def select_skip_layers(
+    engine, cal: Calibration, windows: list[list[int]], max_ppl_delta: float, progress: bool = True
+) -> dict:
     """Measure per-layer sensitivity on ``windows`` and choose the BF16 layers; returns the record.
 
     ``engine`` must have an unquantized cache (calibration's own engine does) and
@@ -105,8 +106,9 @@ def select_skip_layers(engine, cal: Calibration, windows: list[list[int]], max_p
             kl[i] += float(k.sum())
             bar.update(1)
     bar.close()
-    layers = [{"layer": i, "ppl_delta_pct": sc.ppl_delta(nll[i]), "kl_mean": kl[i] / sc.num_tokens}
-              for i in sc.all_layers]
+    layers = [
+        {"layer": i, "ppl_delta_pct": sc.ppl_delta(nll[i]), "kl_mean": kl[i] / sc.num_tokens} for i in sc.all_layers
+    ]
     ranking = [d["layer"] for d in sorted(layers, key=lambda d: (-d["kl_mean"], d["layer"]))]
 
     search = []
@@ -124,12 +126,17 @@ def select_skip_layers(engine, cal: Calibration, windows: list[list[int]], max_p
             chosen = keep
             break
     sc.use(set())
-    return {"max_ppl_delta_pct": max_ppl_delta, "metric_for_ranking": "kl_mean",
-            "heldout": {"windows": len(windows), "tokens": sc.num_tokens,
-                        "window_len": max(len(w) for w in windows)},
-            "baseline_nll_per_token": sum(sc.base_nll) / sc.num_tokens,
-            "layers": layers, "ranking": ranking, "search": search, "skip_layers": chosen,
-            "ppl_delta_pct": search[-1]["ppl_delta_pct"]}
+    return {
+        "max_ppl_delta_pct": max_ppl_delta,
+        "metric_for_ranking": "kl_mean",
+        "heldout": {"windows": len(windows), "tokens": sc.num_tokens, "window_len": max(len(w) for w in windows)},
+        "baseline_nll_per_token": sum(sc.base_nll) / sc.num_tokens,
+        "layers": layers,
+        "ranking": ranking,
+        "search": search,
+        "skip_layers": chosen,
+        "ppl_delta_pct": search[-1]["ppl_delta_pct"],
+    }
 
 
 def _targets(ids: list[int]) -> torch.Tensor:

@@ -33,8 +33,14 @@ from qkv.scales import QKV_SCALES_FILE, QKV_SECTION
 from .report import calibration_record
 from .run import Calibration
 
-__all__ = ["write_checkpoint", "kv_cache_scheme", "quantization_config", "FP8_SCALES_FILE", "INDEX_FILE",
-           "attention_prefixes"]
+__all__ = [
+    "write_checkpoint",
+    "kv_cache_scheme",
+    "quantization_config",
+    "FP8_SCALES_FILE",
+    "INDEX_FILE",
+    "attention_prefixes",
+]
 
 FP8_SCALES_FILE = "kv_cache_scales.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,15 +52,27 @@ _NOT_COPIED = {INDEX_FILE, CALIBRATION_FILE, "recipe.yaml", QKV_SCALES_FILE, FP8
 
 def kv_cache_scheme(strategy: str) -> dict:
     """compressed-tensors ``QuantizationArgs`` for a static fp8 KV cache, as its serializer writes them."""
-    return {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
-            "strategy": "attn_head" if strategy == "head" else "tensor", "dynamic": False}
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": "attn_head" if strategy == "head" else "tensor",
+        "dynamic": False,
+    }
 
 
 def quantization_config(strategy: str, existing: dict | None = None) -> dict:
     """A KV-only compressed-tensors ``QuantizationConfig`` (weights untouched), merged into ``existing``."""
-    qc = {"config_groups": {}, "quant_method": "compressed-tensors", "kv_cache_scheme": None,
-          "format": "dense", "quantization_status": "compressed", "global_compression_ratio": None,
-          "ignore": []}
+    qc = {
+        "config_groups": {},
+        "quant_method": "compressed-tensors",
+        "kv_cache_scheme": None,
+        "format": "dense",
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": [],
+    }
     if existing:
         qc.update(existing)
     qc["kv_cache_scheme"] = kv_cache_scheme(strategy)
@@ -130,12 +148,22 @@ def vllm_readable(cal: Calibration) -> bool:
 
 
 def qkv_section(cal: Calibration, scales_file: str) -> dict:
-    return {"type": cal.kind, "num_bits": 8, "strategy": cal.strategy, "symmetric": True,
-            "dynamic": False, "rotation": cal.rotation or "none", "skip_layers": list(cal.skip_layers or []),
-            "scales_file": scales_file, "scale_dtype": "float32",
-            "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"
-                                + ("; on Hadamard-rotated K/V" if cal.rotation else ""),
-            "format_version": 2, "vllm_readable": vllm_readable(cal), "calibration": CALIBRATION_FILE}
+    return {
+        "type": cal.kind,
+        "num_bits": 8,
+        "strategy": cal.strategy,
+        "symmetric": True,
+        "dynamic": False,
+        "rotation": cal.rotation or "none",
+        "skip_layers": list(cal.skip_layers or []),
+        "scales_file": scales_file,
+        "scale_dtype": "float32",
+        "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"
+        + ("; on Hadamard-rotated K/V" if cal.rotation else ""),
+        "format_version": 2,
+        "vllm_readable": vllm_readable(cal),
+        "calibration": CALIBRATION_FILE,
+    }
 
 
 def _config(src_config: dict, cal: Calibration) -> dict:
@@ -143,8 +171,9 @@ def _config(src_config: dict, cal: Calibration) -> dict:
     cfg.pop(QKV_SECTION, None)
     qc = cfg.get("quantization_config")
     if qc and qc.get("quant_method") != "compressed-tensors":
-        raise ValueError(f"{cal.model}: its weights are quantized with {qc.get('quant_method')!r}; "
-                         f"calibrate the unquantized model")
+        raise ValueError(
+            f"{cal.model}: its weights are quantized with {qc.get('quant_method')!r}; calibrate the unquantized model"
+        )
     if vllm_readable(cal):
         cfg["quantization_config"] = quantization_config(cal.strategy, qc)
         if cal.skip_layers:
@@ -170,9 +199,15 @@ def write_scales_file(cal: Calibration, path: str | Path) -> Path:
 def _file_meta(cal: Calibration) -> dict[str, str]:
     """The scales file describes itself, so ``--kv-scales FILE`` works without the directory."""
     strategy = "attn_head" if cal.strategy == "head" and vllm_readable(cal) else cal.strategy
-    return {"format": "pt", "type": cal.kind, "num_bits": "8", "strategy": strategy,
-            "rotation": cal.rotation or "none", "skip_layers": ",".join(map(str, cal.skip_layers or [])),
-            "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"}
+    return {
+        "format": "pt",
+        "type": cal.kind,
+        "num_bits": "8",
+        "strategy": strategy,
+        "rotation": cal.rotation or "none",
+        "skip_layers": ",".join(map(str, cal.skip_layers or [])),
+        "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}",
+    }
 
 
 def vllm_note(cal: Calibration) -> str:
@@ -180,11 +215,15 @@ def vllm_note(cal: Calibration) -> str:
     if cal.kind == "int":
         return "vLLM has no static int8 KV cache; it loads these weights but not the int8 scales"
     if cal.rotation:
-        return ("the scales are of Hadamard-rotated K/V, a qkv extension: vLLM cannot rotate its cache, "
-                "so these scales are qkv-only")
+        return (
+            "the scales are of Hadamard-rotated K/V, a qkv extension: vLLM cannot rotate its cache, "
+            "so these scales are qkv-only"
+        )
     if cal.strategy == "channel":
-        return ("per-channel scales are a qkv extension; `qkv export-vllm` reduces them to per-head "
-                "(attn_head) scales vLLM reads")
+        return (
+            "per-channel scales are a qkv extension; `qkv export-vllm` reduces them to per-head "
+            "(attn_head) scales vLLM reads"
+        )
     return ""
 
 
@@ -200,8 +239,10 @@ def write_checkpoint(cal: Calibration, out: str | Path, weights: str = "link", o
         if not overwrite:
             raise ValueError(f"-o {out} exists and is not empty; pass --overwrite or choose a new directory")
         if not (out / CALIBRATION_FILE).exists():
-            raise ValueError(f"-o {out}: --overwrite only replaces an earlier `qkv calibrate` output "
-                             f"(it has no {CALIBRATION_FILE}); choose a new directory")
+            raise ValueError(
+                f"-o {out}: --overwrite only replaces an earlier `qkv calibrate` output "
+                f"(it has no {CALIBRATION_FILE}); choose a new directory"
+            )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     for f in sorted(src.iterdir()):
@@ -218,15 +259,22 @@ def write_checkpoint(cal: Calibration, out: str | Path, weights: str = "link", o
         weight_map.update({n: FP8_SCALES_FILE for n in tensors})
         output = {"format": "compressed-tensors", "scales_file": FP8_SCALES_FILE, "vllm_readable": True}
         if cal.skip_layers:
-            output["note"] = (f"serve with vLLM as --kv-cache-dtype-skip-layers "
-                              f"{' '.join(map(str, cal.skip_layers))} (auto-skip's choice; vLLM does not read it)")
+            output["note"] = (
+                f"serve with vLLM as --kv-cache-dtype-skip-layers "
+                f"{' '.join(map(str, cal.skip_layers))} (auto-skip's choice; vLLM does not read it)"
+            )
     else:
         save_file(tensors, str(out / QKV_SCALES_FILE), metadata=_file_meta(cal))
-        output = {"format": f"qkv ({QKV_SECTION})", "scales_file": QKV_SCALES_FILE, "vllm_readable": False,
-                  "note": vllm_note(cal)}
+        output = {
+            "format": f"qkv ({QKV_SECTION})",
+            "scales_file": QKV_SCALES_FILE,
+            "vllm_readable": False,
+            "note": vllm_note(cal),
+        }
     size = sum((out / n).stat().st_size for n in set(weight_map.values()))
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": size},
-                                              "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    (out / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n"
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     record = calibration_record(cal, dict(output, weights=weights, path=str(out.resolve())))
     (out / CALIBRATION_FILE).write_text(json.dumps(record, indent=2) + "\n")

@@ -41,7 +41,7 @@ POOL_FACTOR = 8
 class RawData:
     """Rows as loaded, before tokenization."""
 
-    texts: list                      # strings, or lists of chat messages when ``chat``
+    texts: list  # strings, or lists of chat messages when ``chat``
     chat: bool
     info: dict = field(default_factory=dict)
 
@@ -78,19 +78,26 @@ def hub_offline_reason() -> str | None:
 
 def _looks_like_path(name: str) -> bool:
     """Hub names are ``name`` or ``org/name``; anything else that does not exist is a missing path."""
-    return (name.startswith((".", "/", "~")) or name.count("/") > 1
-            or Path(name).suffix.lower() in (*_BUILDERS, ".txt", ".text", ".tokens", ".raw", ".md"))
+    return (
+        name.startswith((".", "/", "~"))
+        or name.count("/") > 1
+        or Path(name).suffix.lower() in (*_BUILDERS, ".txt", ".text", ".tokens", ".raw", ".md")
+    )
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()
-                                                   and not any(part.startswith(".") for part in p.parts))
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts))
+    )
     if not files:
         raise ValueError(f"--dataset {path}: the folder holds no data files (empty dataset)")
     kinds = {_BUILDERS.get(p.suffix.lower(), "text") for p in files}
     if len(kinds) > 1:
-        raise ValueError(f"--dataset {path}: mixes file types ({', '.join(sorted(kinds))}); "
-                         f"put one kind of file in the folder")
+        raise ValueError(
+            f"--dataset {path}: mixes file types ({', '.join(sorted(kinds))}); put one kind of file in the folder"
+        )
     return kinds.pop(), [str(p) for p in files]
 
 
@@ -107,8 +114,13 @@ def _load_local(path: Path, split: str | None):
         raise ValueError(f"--dataset {path}: {e}") from None
     except Exception as e:  # malformed JSON, unreadable parquet, ...
         raise ValueError(f"--dataset {path}: cannot read it as {builder}: {e.__class__.__name__}: {e}") from None
-    return ds, {"source": "local", "path": str(path.resolve()), "format": builder,
-                "files": len(files), "split": split or "train"}
+    return ds, {
+        "source": "local",
+        "path": str(path.resolve()),
+        "format": builder,
+        "files": len(files),
+        "split": split or "train",
+    }
 
 
 def _load_hub(name: str, config: str | None, split: str | None):
@@ -128,16 +140,20 @@ def _load_hub(name: str, config: str | None, split: str | None):
             raise ValueError(
                 f"--dataset {name!r} is not a local file or folder, and the Hugging Face hub is offline "
                 f"({offline}) with no cached copy; pass a local .txt, .jsonl, .json or .parquet file "
-                f"or folder") from None
-        raise ValueError(f"unknown dataset {name!r}: not a local file or folder and not found on the "
-                         f"Hugging Face hub ({e.__class__.__name__}: {e})") from None
+                f"or folder"
+            ) from None
+        raise ValueError(
+            f"unknown dataset {name!r}: not a local file or folder and not found on the "
+            f"Hugging Face hub ({e.__class__.__name__}: {e})"
+        ) from None
     except ValueError as e:  # missing config name, unknown split, ...
         raise ValueError(f"--dataset {name}: {e}") from None
     return ds, {"source": "hub", "name": name, "config": config, "split": split or "train"}
 
 
-def load_rows(dataset: str, config: str | None = None, split: str | None = None,
-              text_column: str | None = None) -> RawData:
+def load_rows(
+    dataset: str, config: str | None = None, split: str | None = None, text_column: str | None = None
+) -> RawData:
     """Load ``dataset`` and pick its text (or ``messages``) column; no tokenizer needed yet."""
     path = Path(dataset).expanduser()
     if path.exists():
@@ -149,16 +165,18 @@ def load_rows(dataset: str, config: str | None = None, split: str | None = None,
     columns = list(ds.column_names)
     if text_column is not None:
         if text_column not in columns:
-            raise ValueError(f"--text-column {text_column!r} is not in the dataset; "
-                             f"available columns: {', '.join(columns)}")
+            raise ValueError(
+                f"--text-column {text_column!r} is not in the dataset; available columns: {', '.join(columns)}"
+            )
         column = text_column
     elif "messages" in columns:
         column = "messages"
     else:
         column = next((c for c in _TEXT_COLUMNS if c in columns), None)
         if column is None:
-            raise ValueError(f"cannot tell which column holds the text; pass --text-column "
-                             f"(available columns: {', '.join(columns)})")
+            raise ValueError(
+                f"cannot tell which column holds the text; pass --text-column (available columns: {', '.join(columns)})"
+            )
     if len(ds) == 0:
         raise ValueError(f"--dataset {dataset}: empty dataset (no rows)")
     rows = ds[column]
@@ -166,8 +184,10 @@ def load_rows(dataset: str, config: str | None = None, split: str | None = None,
     if not chat:
         bad = next((r for r in rows if r is not None and not isinstance(r, str)), None)
         if bad is not None:
-            raise ValueError(f"column {column!r} holds {type(bad).__name__} values, not text or chat "
-                             f"messages; pass --text-column (available columns: {', '.join(columns)})")
+            raise ValueError(
+                f"column {column!r} holds {type(bad).__name__} values, not text or chat "
+                f"messages; pass --text-column (available columns: {', '.join(columns)})"
+            )
         rows = [r for r in rows if r and r.strip()]
     else:
         rows = [r for r in rows if r]
@@ -188,8 +208,10 @@ def _render(tokenizer, row, chat: bool) -> tuple[str, bool]:
     if not chat:
         return row, False
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the dataset has chat-style 'messages' rows but the model's tokenizer has no chat "
-                         "template; pass --text-column with a plain-text column")
+        raise ValueError(
+            "the dataset has chat-style 'messages' rows but the model's tokenizer has no chat "
+            "template; pass --text-column with a plain-text column"
+        )
     return tokenizer.apply_chat_template(row, tokenize=False), True
 
 
@@ -197,8 +219,9 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
 
-def build_samples(raw: RawData, tokenizer, num_samples: int, seq_len: int, seed: int = 0,
-                  packing: str = "auto") -> Samples:
+def build_samples(
+    raw: RawData, tokenizer, num_samples: int, seq_len: int, seed: int = 0, packing: str = "auto"
+) -> Samples:
     """``num_samples`` chunks of (at most, for ``truncate``) ``seq_len`` tokens, reproducible for ``seed``."""
     if num_samples < 1 or seq_len < 2:
         raise ValueError(f"need --num-samples >= 1 and --seq-len >= 2, got {num_samples} and {seq_len}")
@@ -222,8 +245,10 @@ def build_samples(raw: RawData, tokenizer, num_samples: int, seq_len: int, seed:
             if len(chunks) == num_samples:
                 break
         if len(chunks) < num_samples:
-            raise ValueError(f"the dataset has only {len(chunks)} non-empty rows, fewer than "
-                             f"--num-samples {num_samples} (--packing truncate takes one sample per row)")
+            raise ValueError(
+                f"the dataset has only {len(chunks)} non-empty rows, fewer than "
+                f"--num-samples {num_samples} (--packing truncate takes one sample per row)"
+            )
         return Samples(chunks, dict(info, tokens=sum(len(c) for c in chunks)))
     budget = POOL_FACTOR * num_samples * body
     stream: list[int] = []
@@ -239,8 +264,9 @@ def build_samples(raw: RawData, tokenizer, num_samples: int, seq_len: int, seed:
         raise ValueError(
             f"too few tokens: the dataset has {len(stream):,} tokens, which make {available} samples of "
             f"{seq_len} tokens; --num-samples {num_samples} x --seq-len {seq_len} needs "
-            f"{num_samples * seq_len:,}. Lower --num-samples or --seq-len, or use more data")
+            f"{num_samples * seq_len:,}. Lower --num-samples or --seq-len, or use more data"
+        )
     picks = sorted(rng.sample(range(available), num_samples))
-    chunks = [prefix + stream[i * body:(i + 1) * body] for i in picks]
+    chunks = [prefix + stream[i * body : (i + 1) * body] for i in picks]
     info.update(pool_tokens=len(stream), pool_chunks=available, tokens=num_samples * seq_len)
     return Samples(chunks, info)

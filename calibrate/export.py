@@ -35,20 +35,25 @@ def _num_kv_heads(src: Path) -> int:
     return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
 
-def export_vllm(src: str | Path, out: str | Path, weights: str = "link",
-                overwrite: bool = False) -> tuple[Path, list[str]]:
+def export_vllm(
+    src: str | Path, out: str | Path, weights: str = "link", overwrite: bool = False
+) -> tuple[Path, list[str]]:
     """Write ``out`` (a compressed-tensors fp8 checkpoint); returns it and the messages to print."""
     src = Path(src)
     scales = read_kv_scales(src)
     if scales is None:
         raise ValueError(f"{src} carries no KV-cache scales; calibrate it with `qkv calibrate` first")
     if scales.kind == "int":
-        raise ValueError(f"{src} holds int8 scales: vLLM has no static int8 KV cache (use "
-                         f"--kv-cache-dtype int8_per_token_head there, or recalibrate with --kv-cache-dtype fp8)")
+        raise ValueError(
+            f"{src} holds int8 scales: vLLM has no static int8 KV cache (use "
+            f"--kv-cache-dtype int8_per_token_head there, or recalibrate with --kv-cache-dtype fp8)"
+        )
     if scales.rotation:
-        raise ValueError(f"{src} holds scales of {scales.rotation}-rotated K/V, a qkv extension vLLM cannot "
-                         f"apply: its cache stores unrotated K/V, for which these scales are wrong. Recalibrate "
-                         f"with `qkv calibrate --kv-rotation none` for vLLM")
+        raise ValueError(
+            f"{src} holds scales of {scales.rotation}-rotated K/V, a qkv extension vLLM cannot "
+            f"apply: its cache stores unrotated K/V, for which these scales are wrong. Recalibrate "
+            f"with `qkv calibrate --kv-rotation none` for vLLM"
+        )
     notes = []
     strategy = scales.strategy
     heads = _num_kv_heads(src)
@@ -60,17 +65,31 @@ def export_vllm(src: str | Path, out: str | Path, weights: str = "link",
             k, v = k.reshape(heads, -1).amax(dim=1), v.reshape(heads, -1).amax(dim=1)
         layers.append(LayerResult(i, heads, k * dt.qmax, v * dt.qmax, k, v, k * dt.qmax, v * dt.qmax, 0.0, 0.0))
     if strategy == "channel":
-        notes.append("reduced per-channel scales to per-head (attn_head): each head takes its largest channel "
-                     "scale, the per-head minmax of the same data; vLLM has no per-channel KV scales")
+        notes.append(
+            "reduced per-channel scales to per-head (attn_head): each head takes its largest channel "
+            "scale, the per-head minmax of the same data; vLLM has no per-channel KV scales"
+        )
         strategy = "head"
-    cal = Calibration(model=str(src), model_path=src, kv_dtype=dt, strategy=strategy,
-                      observer={"observer": "exported", "from": str(src), "source_strategy": scales.strategy},
-                      layers=layers, samples_info={"source": f"exported from {src}"}, num_samples=0,
-                      num_tokens=0, model_dtype="", seed=0, skip_layers=scales.skip_layers)
+    cal = Calibration(
+        model=str(src),
+        model_path=src,
+        kv_dtype=dt,
+        strategy=strategy,
+        observer={"observer": "exported", "from": str(src), "source_strategy": scales.strategy},
+        layers=layers,
+        samples_info={"source": f"exported from {src}"},
+        num_samples=0,
+        num_tokens=0,
+        model_dtype="",
+        seed=0,
+        skip_layers=scales.skip_layers,
+    )
     path = write_checkpoint(cal, out, weights=weights, overwrite=overwrite)
     if strategy == "head":
         notes.append("per-head scales need a vLLM attention backend that supports them (Flash Attention)")
     if scales.skip_layers:
-        notes.append("auto-skip kept layers in BF16; serve with vLLM as --kv-cache-dtype-skip-layers "
-                     + " ".join(map(str, scales.skip_layers)))
+        notes.append(
+            "auto-skip kept layers in BF16; serve with vLLM as --kv-cache-dtype-skip-layers "
+            + " ".join(map(str, scales.skip_layers))
+        )
     return path, notes

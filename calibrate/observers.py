@@ -83,9 +83,11 @@ class MSE(Observer):
         return best
 
     def describe(self) -> dict:
-        return {"observer": self.name, "mse_ratios": [round(float(self.ratios[0]), 4),
-                                                      round(float(self.ratios[-1]), 4), len(self.ratios)],
-                "mse_reservoir_per_head": self.reservoir}
+        return {
+            "observer": self.name,
+            "mse_ratios": [round(float(self.ratios[0]), 4), round(float(self.ratios[-1]), 4), len(self.ratios)],
+            "mse_reservoir_per_head": self.reservoir,
+        }
 
 
 def mse_per_head(x: torch.Tensor, scale: torch.Tensor, dt: CacheDtype) -> torch.Tensor:

@@ -55,14 +55,25 @@ def calibration_record(cal: Calibration, output: dict | None = None) -> dict:
         "observe_time_s": round(cal.observe_time_s, 3),
         "date": cal.date,
         "output": output or {},
-        "layers": [{
-            "layer": r.layer,
-            "num_kv_heads": r.num_kv_heads,
-            "k": {"amax": _list(r.k_amax), "observed_amax": _list(r.k_observed_amax),
-                  "scale": _list(r.k_scale), "clip_rate": r.k_clip_rate},
-            "v": {"amax": _list(r.v_amax), "observed_amax": _list(r.v_observed_amax),
-                  "scale": _list(r.v_scale), "clip_rate": r.v_clip_rate},
-        } for r in cal.layers],
+        "layers": [
+            {
+                "layer": r.layer,
+                "num_kv_heads": r.num_kv_heads,
+                "k": {
+                    "amax": _list(r.k_amax),
+                    "observed_amax": _list(r.k_observed_amax),
+                    "scale": _list(r.k_scale),
+                    "clip_rate": r.k_clip_rate,
+                },
+                "v": {
+                    "amax": _list(r.v_amax),
+                    "observed_amax": _list(r.v_observed_amax),
+                    "scale": _list(r.v_scale),
+                    "clip_rate": r.v_clip_rate,
+                },
+            }
+            for r in cal.layers
+        ],
     }
 
 
@@ -75,17 +86,20 @@ def _fmt(t) -> str:
 
 def summary_table(cal: Calibration) -> str:
     """Plain-text table, one row per layer (per-head values shown as min..max)."""
-    head = (f"{'layer':>5}  {'K amax':>15} {'K scale':>17} {'K clip':>8}  "
-            f"{'V amax':>15} {'V scale':>17} {'V clip':>8}")
+    head = f"{'layer':>5}  {'K amax':>15} {'K scale':>17} {'K clip':>8}  {'V amax':>15} {'V scale':>17} {'V clip':>8}"
     lines = [head, "-" * len(head)]
     for r in cal.layers:
-        lines.append(f"{r.layer:>5}  {_fmt(r.k_amax):>15} {_fmt(r.k_scale):>17} {100 * r.k_clip_rate:>7.3f}%  "
-                     f"{_fmt(r.v_amax):>15} {_fmt(r.v_scale):>17} {100 * r.v_clip_rate:>7.3f}%")
+        lines.append(
+            f"{r.layer:>5}  {_fmt(r.k_amax):>15} {_fmt(r.k_scale):>17} {100 * r.k_clip_rate:>7.3f}%  "
+            f"{_fmt(r.v_amax):>15} {_fmt(r.v_scale):>17} {100 * r.v_clip_rate:>7.3f}%"
+        )
     obs = cal.observer.get("observer")
     if cal.observer.get("percentile") is not None:
         obs += f" (P{cal.observer['percentile']:g})"
     src = cal.samples_info.get("source", "?")
     rot = f" / rotation {cal.rotation}" if cal.rotation else ""
-    lines.append(f"{cal.model}: {cal.kv_dtype.name} / {cal.strategy}{rot} / {obs}; {cal.num_samples} samples, "
-                 f"{cal.num_tokens:,} tokens ({src}); {cal.wall_time_s:.1f} s")
+    lines.append(
+        f"{cal.model}: {cal.kv_dtype.name} / {cal.strategy}{rot} / {obs}; {cal.num_samples} samples, "
+        f"{cal.num_tokens:,} tokens ({src}); {cal.wall_time_s:.1f} s"
+    )
     return "\n".join(lines)

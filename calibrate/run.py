@@ -29,8 +29,17 @@ from .observers import MinMax, Observer, make_observer, scales_from_amax
 from .selfgen import GEN_BATCH, generate_samples
 from .stats import TensorStats, single_thread
 
-__all__ = ["Calibration", "LayerResult", "STRATEGIES", "calibrate", "calibrate_grid", "observe", "choose_scales",
-           "load_engine", "resolve_target"]
+__all__ = [
+    "Calibration",
+    "LayerResult",
+    "STRATEGIES",
+    "calibrate",
+    "calibrate_grid",
+    "observe",
+    "choose_scales",
+    "load_engine",
+    "resolve_target",
+]
 
 logger = logging.getLogger("qkv")
 
@@ -41,9 +50,9 @@ STRATEGIES = ("tensor", "head", "channel")
 class LayerResult:
     layer: int
     num_kv_heads: int
-    k_amax: torch.Tensor          # clipping threshold actually used, [1], [H] or [H, D]
+    k_amax: torch.Tensor  # clipping threshold actually used, [1], [H] or [H, D]
     v_amax: torch.Tensor
-    k_scale: torch.Tensor         # fp32 amax / qmax
+    k_scale: torch.Tensor  # fp32 amax / qmax
     v_scale: torch.Tensor
     k_observed_amax: torch.Tensor  # the true absmax, same shape
     v_observed_amax: torch.Tensor
@@ -68,11 +77,12 @@ class Calibration:
     seed: int
     wall_time_s: float = 0.0
     observe_time_s: float = 0.0
-    rotation: str | None = None        # "hadamard": scales of rotated K/V (qkv extension)
-    skip_layers: list[int] | None = None   # auto-skip's choice of BF16 layers
-    sensitivity: dict | None = None    # auto-skip's per-layer measurements
-    date: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"))
+    rotation: str | None = None  # "hadamard": scales of rotated K/V (qkv extension)
+    skip_layers: list[int] | None = None  # auto-skip's choice of BF16 layers
+    sensitivity: dict | None = None  # auto-skip's per-layer measurements
+    date: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    )
 
     @property
     def kind(self) -> str:
@@ -84,12 +94,16 @@ def resolve_target(kv_cache_dtype: str, strategy: str, observer: str = "minmax")
     if strategy not in STRATEGIES:
         raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     if strategy == "channel" and observer != "minmax":
-        raise ValueError(f"--strategy channel takes --observer minmax only (got {observer}): the statistics "
-                         f"keep an exact absmax per channel, not a histogram")
+        raise ValueError(
+            f"--strategy channel takes --observer minmax only (got {observer}): the statistics "
+            f"keep an exact absmax per channel, not a histogram"
+        )
     dt = resolve_cache_dtype(kv_cache_dtype)
     if dt.name not in ("fp8_e4m3", "int8"):
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: calibration makes static scales for fp8 "
-                         f"(e4m3) or int8; {dt.name} needs none")
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype}: calibration makes static scales for fp8 "
+            f"(e4m3) or int8; {dt.name} needs none"
+        )
     return dt
 
 
@@ -99,16 +113,27 @@ def load_engine(model: str, dtype: str = "auto", *, seq_len: int, num_seqs: int 
     engine_defaults = EngineConfig(model=model)
     blocks_per_seq = -(-seq_len // engine_defaults.block_size) + 1
     try:
-        return LLM(model, dtype=dtype, kv_cache_dtype="auto", num_blocks=num_seqs * blocks_per_seq + 2,
-                   device=device, max_num_batched_tokens=max(engine_defaults.max_num_batched_tokens, seq_len),
-                   enable_prefix_caching=False)
+        return LLM(
+            model,
+            dtype=dtype,
+            kv_cache_dtype="auto",
+            num_blocks=num_seqs * blocks_per_seq + 2,
+            device=device,
+            max_num_batched_tokens=max(engine_defaults.max_num_batched_tokens, seq_len),
+            enable_prefix_caching=False,
+        )
     except Exception as e:  # UnknownModelError, CheckpointError, OSError, transformers' errors, ...
         raise ValueError(f"cannot load model {model!r}: {e}") from None
 
 
-def observe(engine, chunks: list[list[int]], reservoir: int = 0, seed: int = 0,
-            progress: bool = True, rotations: tuple[str, ...] = ("none",),
-            ) -> dict[tuple[int, str], TensorStats] | dict[str, dict[tuple[int, str], TensorStats]]:
+def observe(
+    engine,
+    chunks: list[list[int]],
+    reservoir: int = 0,
+    seed: int = 0,
+    progress: bool = True,
+    rotations: tuple[str, ...] = ("none",),
+) -> dict[tuple[int, str], TensorStats] | dict[str, dict[tuple[int, str], TensorStats]]:
     """Statistics of every layer's K and V over ``chunks``, keyed ``(layer, "k" | "v")``.
 
     With several ``rotations`` one pass fills one set per rotation (returned as
@@ -122,8 +147,9 @@ def observe(engine, chunks: list[list[int]], reservoir: int = 0, seed: int = 0,
     for stats in sets.values():
         for spec in engine.layer_specs:
             for j, kind in enumerate("kv"):
-                stats[spec.layer_idx, kind] = TensorStats(spec.num_kv_heads, reservoir,
-                                                          seed=seed * 100003 + 2 * spec.layer_idx + j)
+                stats[spec.layer_idx, kind] = TensorStats(
+                    spec.num_kv_heads, reservoir, seed=seed * 100003 + 2 * spec.layer_idx + j
+                )
 
     def observer(layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
         with single_thread():
@@ -135,16 +161,19 @@ def observe(engine, chunks: list[list[int]], reservoir: int = 0, seed: int = 0,
     bar = tqdm(total=len(chunks), desc="calibrating", unit="sample", disable=not progress)
     for chunk in chunks:
         if len(chunk) > engine.max_model_len:
-            raise ValueError(f"a sample has {len(chunk)} tokens, more than the model's "
-                             f"max_model_len={engine.max_model_len}; lower --seq-len")
+            raise ValueError(
+                f"a sample has {len(chunk)} tokens, more than the model's "
+                f"max_model_len={engine.max_model_len}; lower --seq-len"
+            )
         prefill_logits(engine, chunk, observer=observer, keep_logits=False)
         bar.update(1)
     bar.close()
     return sets[rotations[0]] if len(rotations) == 1 else sets
 
 
-def choose_scales(stats: dict[tuple[int, str], TensorStats], observer: Observer, dt: CacheDtype,
-                  strategy: str) -> list[LayerResult]:
+def choose_scales(
+    stats: dict[tuple[int, str], TensorStats], observer: Observer, dt: CacheDtype, strategy: str
+) -> list[LayerResult]:
     per_head = strategy == "head"
     out = []
     for layer in sorted({i for i, _ in stats}):
@@ -159,17 +188,42 @@ def choose_scales(stats: dict[tuple[int, str], TensorStats], observer: Observer,
                 amax = observer.amax(s, per_head, dt).to(torch.float32)
             scale = scales_from_amax(amax, dt)
             res[kind] = (amax, scale, s.absmax(per_head), s.clip_rate(scale * dt.qmax))
-        out.append(LayerResult(layer, stats[layer, "k"].num_heads,
-                               res["k"][0], res["v"][0], res["k"][1], res["v"][1],
-                               res["k"][2], res["v"][2], res["k"][3], res["v"][3]))
+        out.append(
+            LayerResult(
+                layer,
+                stats[layer, "k"].num_heads,
+                res["k"][0],
+                res["v"][0],
+                res["k"][1],
+                res["v"][1],
+                res["k"][2],
+                res["v"][2],
+                res["k"][3],
+                res["v"][3],
+            )
+        )
     return out
 
 
-def calibrate(model: str, samples: Samples | None = None, raw: RawData | None = None, *, kv_cache_dtype: str = "fp8",
-              strategy: str = "tensor", observer: str = "minmax", percentile: float | None = None,
-              num_samples: int = 64, seq_len: int = 512, seed: int = 0, packing: str = "auto",
-              dtype: str = "auto", device: str | None = None, progress: bool = True,
-              rotation: str = "none", llm=None) -> Calibration:
+def calibrate(
+    model: str,
+    samples: Samples | None = None,
+    raw: RawData | None = None,
+    *,
+    kv_cache_dtype: str = "fp8",
+    strategy: str = "tensor",
+    observer: str = "minmax",
+    percentile: float | None = None,
+    num_samples: int = 64,
+    seq_len: int = 512,
+    seed: int = 0,
+    packing: str = "auto",
+    dtype: str = "auto",
+    device: str | None = None,
+    progress: bool = True,
+    rotation: str = "none",
+    llm=None,
+) -> Calibration:
     """Calibrate ``model``'s KV scales.
 
     Give either ready ``samples`` (token chunks), or ``raw`` rows from
@@ -184,8 +238,9 @@ def calibrate(model: str, samples: Samples | None = None, raw: RawData | None = 
             raise ValueError("no samples to calibrate on")
         seq_len = max(len(c) for c in samples.chunks)
     if llm is None:  # auto-skip hands in its engine, so the model is loaded once for both
-        llm = load_engine(model, dtype, seq_len=seq_len, device=device,
-                          num_seqs=GEN_BATCH if samples is None and raw is None else 1)
+        llm = load_engine(
+            model, dtype, seq_len=seq_len, device=device, num_seqs=GEN_BATCH if samples is None and raw is None else 1
+        )
     engine = llm.llm_engine
     max_pos = getattr(engine.hf_config, "max_position_embeddings", None)
     if max_pos and seq_len > max_pos:
@@ -196,21 +251,40 @@ def calibrate(model: str, samples: Samples | None = None, raw: RawData | None = 
         else:
             samples = generate_samples(llm, num_samples, seq_len, seed, progress)
     t1 = time.perf_counter()
-    stats = observe(engine, samples.chunks, reservoir=obs.reservoir, seed=seed, progress=progress,
-                    rotations=(rotation,))
+    stats = observe(
+        engine, samples.chunks, reservoir=obs.reservoir, seed=seed, progress=progress, rotations=(rotation,)
+    )
     layers = choose_scales(stats, obs, dt, strategy)
     t2 = time.perf_counter()
-    return Calibration(model=model, model_path=engine.model_path, kv_dtype=dt, strategy=strategy,
-                       observer=obs.describe(), layers=layers, samples_info=samples.info,
-                       num_samples=len(samples.chunks), num_tokens=samples.num_tokens,
-                       model_dtype=str(engine.dtype).replace("torch.", ""), seed=seed,
-                       wall_time_s=t2 - t0, observe_time_s=t2 - t1,
-                       rotation=None if rotation == "none" else rotation)
+    return Calibration(
+        model=model,
+        model_path=engine.model_path,
+        kv_dtype=dt,
+        strategy=strategy,
+        observer=obs.describe(),
+        layers=layers,
+        samples_info=samples.info,
+        num_samples=len(samples.chunks),
+        num_tokens=samples.num_tokens,
+        model_dtype=str(engine.dtype).replace("torch.", ""),
+        seed=seed,
+        wall_time_s=t2 - t0,
+        observe_time_s=t2 - t1,
+        rotation=None if rotation == "none" else rotation,
+    )
 
 
-def calibrate_grid(model: str, raw: RawData, targets: list[tuple[str, str, str]], *, num_samples: int,
-                   seq_len: int, seed: int = 0, dtype: str = "auto", device: str | None = None,
-                   ) -> list[Calibration]:
+def calibrate_grid(
+    model: str,
+    raw: RawData,
+    targets: list[tuple[str, str, str]],
+    *,
+    num_samples: int,
+    seq_len: int,
+    seed: int = 0,
+    dtype: str = "auto",
+    device: str | None = None,
+) -> list[Calibration]:
     """Minmax scales for every ``(kv_cache_dtype, strategy, rotation)`` in ``targets`` from one pass.
 
     One engine observes the samples once, filling statistics for every rotation of the grid at
@@ -231,10 +305,22 @@ def calibrate_grid(model: str, raw: RawData, targets: list[tuple[str, str, str]]
     out = []
     for name, strategy, rot in targets:
         dt = dts[name, strategy]
-        out.append(Calibration(model=model, model_path=engine.model_path, kv_dtype=dt, strategy=strategy,
-                               observer=obs.describe(), layers=choose_scales(sets[rot], obs, dt, strategy),
-                               samples_info=samples.info, num_samples=len(samples.chunks),
-                               num_tokens=samples.num_tokens, model_dtype=str(engine.dtype).replace("torch.", ""),
-                               seed=seed, wall_time_s=time.perf_counter() - t0,
-                               observe_time_s=time.perf_counter() - t1, rotation=None if rot == "none" else rot))
+        out.append(
+            Calibration(
+                model=model,
+                model_path=engine.model_path,
+                kv_dtype=dt,
+                strategy=strategy,
+                observer=obs.describe(),
+                layers=choose_scales(sets[rot], obs, dt, strategy),
+                samples_info=samples.info,
+                num_samples=len(samples.chunks),
+                num_tokens=samples.num_tokens,
+                model_dtype=str(engine.dtype).replace("torch.", ""),
+                seed=seed,
+                wall_time_s=time.perf_counter() - t0,
+                observe_time_s=time.perf_counter() - t1,
+                rotation=None if rot == "none" else rot,
+            )
+        )
     return out

@@ -39,14 +39,28 @@ def generate_samples(llm, num_samples: int, seq_len: int, seed: int = 0, progres
     chunks: list[list[int]] = []
     bar = tqdm(total=num_samples, desc="generating", unit="sample", disable=not progress)
     for start in range(0, num_samples, GEN_BATCH):
-        batch = prompts[start:start + GEN_BATCH]
-        params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed * 1_000_003 + start + j,
-                                 max_tokens=seq_len - len(p), ignore_eos=True) for j, p in enumerate(batch)]
+        batch = prompts[start : start + GEN_BATCH]
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                top_p=0.95,
+                seed=seed * 1_000_003 + start + j,
+                max_tokens=seq_len - len(p),
+                ignore_eos=True,
+            )
+            for j, p in enumerate(batch)
+        ]
         for p, out in zip(batch, llm.generate(batch, params)):
             chunks.append((p + list(out.outputs[0].token_ids))[:seq_len])
         bar.update(len(batch))
     bar.close()
-    info = {"source": "self-generated", "prompts": list(SEED_PROMPTS), "sampling":
-            {"temperature": 1.0, "top_p": 0.95, "ignore_eos": True}, "seed": seed,
-            "num_samples": num_samples, "seq_len": seq_len, "tokens": sum(len(c) for c in chunks)}
+    info = {
+        "source": "self-generated",
+        "prompts": list(SEED_PROMPTS),
+        "sampling": {"temperature": 1.0, "top_p": 0.95, "ignore_eos": True},
+        "seed": seed,
+        "num_samples": num_samples,
+        "seq_len": seq_len,
+        "tokens": sum(len(c) for c in chunks),
+    }
     return Samples(chunks, info)

@@ -84,8 +84,7 @@ class TensorStats:
         ax = x.detach().to("cpu", torch.float32).abs()
         a = ax.transpose(0, 1).reshape(self.num_heads, -1)
         if not bool(torch.isfinite(a).all()):
-            raise ValueError("observed K/V contain inf or NaN: the model overflows in this dtype "
-                             "(try --dtype float32)")
+            raise ValueError("observed K/V contain inf or NaN: the model overflows in this dtype (try --dtype float32)")
         self.amax = torch.maximum(self.amax, a.amax(dim=1))
         ch = ax.amax(dim=0) if ax.shape[0] else torch.zeros(ax.shape[1:])
         self.amax_channel = ch if self.amax_channel is None else torch.maximum(self.amax_channel, ch)
@@ -167,13 +166,14 @@ class TensorStats:
             t = float(th[h])
             if t >= float(self.amax[h]):
                 continue
-            b = min(int(torch.searchsorted(_EDGES, torch.tensor([t], dtype=torch.float64), right=True)) - 1,
-                    NUM_BINS - 1)
+            b = min(
+                int(torch.searchsorted(_EDGES, torch.tensor([t], dtype=torch.float64), right=True)) - 1, NUM_BINS - 1
+            )
             hi = min(float(_EDGES[b + 1]), float(self.amax[h]))
             lo = float(_EDGES[b])
             pos = min(max((t - lo) / (hi - lo), 0.0), 1.0) if hi > lo else 1.0
             counts = self.hist[h]
-            above += float(counts[b + 1:].sum()) + float(counts[b]) * (1.0 - pos)
+            above += float(counts[b + 1 :].sum()) + float(counts[b]) * (1.0 - pos)
         return above / (self.count * self.num_heads)
 
     def reservoir(self, per_head: bool) -> torch.Tensor:

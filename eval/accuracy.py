@@ -40,8 +40,9 @@ class ConfigTokens:
     seconds: float = 0.0
 
 
-def score_windows(engines: dict, windows: list[list[int]], baseline: str,
-                  chunk_size: int | None = None) -> dict[str, ConfigTokens]:
+def score_windows(
+    engines: dict, windows: list[list[int]], baseline: str, chunk_size: int | None = None
+) -> dict[str, ConfigTokens]:
     """Score every window with every engine (baseline first, then the others, window by window)."""
     out = {label: ConfigTokens() for label in engines}
     order = [baseline] + [k for k in engines if k != baseline]
@@ -64,13 +65,18 @@ def score_windows(engines: dict, windows: list[list[int]], baseline: str,
             acc.top1_sum.append(int(agree.sum()))
             acc.kl_tokens.append(kl.float().numpy())
             del logits
-        logger.info("window %d/%d scored: %s", w + 1, len(windows), ", ".join(
-            f"{k} nll {out[k].nll_sum[-1] / out[k].num_tokens[-1]:.4f}" for k in order))
+        logger.info(
+            "window %d/%d scored: %s",
+            w + 1,
+            len(windows),
+            ", ".join(f"{k} nll {out[k].nll_sum[-1] / out[k].num_tokens[-1]:.4f}" for k in order),
+        )
     return out
 
 
-def paired_bootstrap(num: np.ndarray, den: np.ndarray, base_num: np.ndarray, base_den: np.ndarray,
-                     n_boot: int, seed: int) -> np.ndarray:
+def paired_bootstrap(
+    num: np.ndarray, den: np.ndarray, base_num: np.ndarray, base_den: np.ndarray, n_boot: int, seed: int
+) -> np.ndarray:
     """Bootstrap samples of the ppl delta in percent; each resample picks the same windows for both."""
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(num), size=(n_boot, len(num)))
@@ -84,8 +90,7 @@ def _ci(samples: np.ndarray) -> list[float]:
     return [float(lo), float(hi)]
 
 
-def summarize(tokens: dict[str, ConfigTokens], baseline: str, n_boot: int,
-              seed: int = 0) -> dict[str, dict]:
+def summarize(tokens: dict[str, ConfigTokens], baseline: str, n_boot: int, seed: int = 0) -> dict[str, dict]:
     """Every accuracy number of every configuration, with bootstrap CIs over windows."""
     b = tokens[baseline]
     bn, bd = np.array(b.nll_sum), np.array(b.num_tokens, dtype=float)
@@ -107,14 +112,18 @@ def summarize(tokens: dict[str, ConfigTokens], baseline: str, n_boot: int,
             "kl_mean": float(kls.sum() / den.sum()),
             "kl_mean_ci95": _ci(kls[idx].sum(1) / den[idx].sum(1)),
             "kl_p99": float(np.percentile(all_kl, 99)),
-            "kl_p99_ci95": _ci(np.array([np.percentile(np.concatenate([t.kl_tokens[i] for i in row]), 99)
-                                         for row in idx[:200]])),
+            "kl_p99_ci95": _ci(
+                np.array([np.percentile(np.concatenate([t.kl_tokens[i] for i in row]), 99) for row in idx[:200]])
+            ),
             "kl_max": float(all_kl.max()),
             "top1_agreement": float(top.sum() / den.sum()),
             "top1_agreement_ci95": _ci(top[idx].sum(1) / den[idx].sum(1)),
             "num_tokens": int(den.sum()),
             "score_seconds": t.seconds,
-            "per_window": {"nll_mean": (num / den).tolist(), "kl_mean": (kls / den).tolist(),
-                           "top1": (top / den).tolist()},
+            "per_window": {
+                "nll_mean": (num / den).tolist(),
+                "kl_mean": (kls / den).tolist(),
+                "top1": (top / den).tolist(),
+            },
         }
     return out

@@ -92,20 +92,33 @@ def _throughput(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]
 
             _, total, _, outs = run_requests(engine, prompts, args.output_len, on_step=on_step)
             out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            runs[label].append({"seconds": total, "output_tokens_per_s": out_tokens / total,
-                                "preemptions": engine.scheduler.num_preemptions - preempt0,
-                                "peak_running": peak})
+            runs[label].append(
+                {
+                    "seconds": total,
+                    "output_tokens_per_s": out_tokens / total,
+                    "preemptions": engine.scheduler.num_preemptions - preempt0,
+                    "peak_running": peak,
+                }
+            )
             engine.pool.check_no_leaks()
-            print(f"throughput repeat {r + 1} {label}: {out_tokens / total:.1f} output tok/s, "
-                  f"{runs[label][-1]['preemptions']} preemptions, peak {peak} running", flush=True)
+            print(
+                f"throughput repeat {r + 1} {label}: {out_tokens / total:.1f} output tok/s, "
+                f"{runs[label][-1]['preemptions']} preemptions, peak {peak} running",
+                flush=True,
+            )
     base = labels[0]
     rates = {k: [x["output_tokens_per_s"] for x in v] for k, v in runs.items()}
     ratio = _median_ratio(rates, base)
-    return {label: {"output_tokens_per_s": statistics.median(rates[label]),
-                    "ratio_to_" + base: ratio[label],
-                    "kv_budget_tokens": (engines[label].cache.num_blocks - 1) * engines[label].block_size,
-                    "kv_bytes_per_token": engines[label].kv_bytes_per_token,
-                    "runs": runs[label]} for label in labels}
+    return {
+        label: {
+            "output_tokens_per_s": statistics.median(rates[label]),
+            "ratio_to_" + base: ratio[label],
+            "kv_budget_tokens": (engines[label].cache.num_blocks - 1) * engines[label].block_size,
+            "kv_bytes_per_token": engines[label].kv_bytes_per_token,
+            "runs": runs[label],
+        }
+        for label in labels
+    }
 
 
 class _FirstTokenTime:
@@ -130,8 +143,15 @@ def _hf_run(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, fl
     streamer = _FirstTokenTime()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                       min_new_tokens=max_tokens, do_sample=False, pad_token_id=0, streamer=streamer)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
     return streamer.first - t0, time.perf_counter() - t0
 
 
@@ -139,8 +159,11 @@ def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -
     first = next(iter(engines.values()))
     hf = None
     if args.transformers:
-        hf = AutoModelForCausalLM.from_pretrained(str(first.model_path), dtype=first.dtype,
-                                                  attn_implementation="sdpa").to(first.device).eval()
+        hf = (
+            AutoModelForCausalLM.from_pretrained(str(first.model_path), dtype=first.dtype, attn_implementation="sdpa")
+            .to(first.device)
+            .eval()
+        )
         _hf_run(hf, random_prompts(vocab, 1, 16, args.seed + 999, avoid), 2)  # first calls initialise lazily
     labels = list(engines) + (["transformers"] if hf is not None else [])
     out: dict = {}
@@ -156,14 +179,20 @@ def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -
                     t_first, total = run_requests(engines[label], prompts, args.output_len)[:2]
                 ttft[label].append(t_first)
                 rate[label].append(b * (args.output_len - 1) / max(total - t_first, 1e-9))
-            print(f"latency batch {b} repeat {r + 1}: " + ", ".join(
-                f"{k} TTFT {1000 * ttft[k][-1]:.0f} ms, {rate[k][-1]:.1f} tok/s" for k in labels), flush=True)
+            print(
+                f"latency batch {b} repeat {r + 1}: "
+                + ", ".join(f"{k} TTFT {1000 * ttft[k][-1]:.0f} ms, {rate[k][-1]:.1f} tok/s" for k in labels),
+                flush=True,
+            )
         base = labels[0]
         row = {}
         for label in labels:
-            row[label] = {"ttft_ms": 1000 * statistics.median(ttft[label]),
-                          "decode_tokens_per_s": statistics.median(rate[label]),
-                          "ttft_ms_runs": [1000 * t for t in ttft[label]], "decode_tokens_per_s_runs": rate[label]}
+            row[label] = {
+                "ttft_ms": 1000 * statistics.median(ttft[label]),
+                "decode_tokens_per_s": statistics.median(rate[label]),
+                "ttft_ms_runs": [1000 * t for t in ttft[label]],
+                "decode_tokens_per_s_runs": rate[label],
+            }
             row[label]["decode_ratio_to_" + base] = _median_ratio(rate, base)[label]
             row[label]["ttft_ratio_to_" + base] = _median_ratio(ttft, base)[label]
             if hf is not None:
@@ -182,8 +211,15 @@ def _tier_hit(engine: LLMEngine, prompt: list[int]) -> tuple[float, RequestOutpu
     before = engine.offload.counters()
     t_tier, _, _, outs = run_requests(engine, [prompt], 1)
     after = engine.offload.counters()
-    delta = {k: after[k] - before[k] for k in ("kv_offload_load_seconds", "kv_offload_bytes_read",
-                                                 "kv_offload_loaded_blocks", "external_prefix_cache_hits")}
+    delta = {
+        k: after[k] - before[k]
+        for k in (
+            "kv_offload_load_seconds",
+            "kv_offload_bytes_read",
+            "kv_offload_loaded_blocks",
+            "external_prefix_cache_hits",
+        )
+    }
     return t_tier, outs[0], {"evict_seconds": evict_s, **delta}
 
 
@@ -210,31 +246,53 @@ def _prefix(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) ->
             if engine.offload is not None:
                 t_tier, tier_out, info = _tier_hit(engine, prefix + suffix)
                 tier[label].append(t_tier)
-                tier_runs[label].append({"ttft_ms": 1000 * t_tier, "cached_tokens": tier_out.num_cached_tokens,
-                                         "same_token_as_device_hit": tier_out.outputs[0].token_ids
-                                         == outs[0].outputs[0].token_ids, **info})
-        print(f"prefix repeat {r + 1}: " + ", ".join(
-            f"{k} cold {1000 * cold[k][-1]:.0f} ms / hit {1000 * hit[k][-1]:.1f} ms"
-            + (f" / tier hit {1000 * tier[k][-1]:.1f} ms" if k in tier else "") for k in labels), flush=True)
+                tier_runs[label].append(
+                    {
+                        "ttft_ms": 1000 * t_tier,
+                        "cached_tokens": tier_out.num_cached_tokens,
+                        "same_token_as_device_hit": tier_out.outputs[0].token_ids == outs[0].outputs[0].token_ids,
+                        **info,
+                    }
+                )
+        print(
+            f"prefix repeat {r + 1}: "
+            + ", ".join(
+                f"{k} cold {1000 * cold[k][-1]:.0f} ms / hit {1000 * hit[k][-1]:.1f} ms"
+                + (f" / tier hit {1000 * tier[k][-1]:.1f} ms" if k in tier else "")
+                for k in labels
+            ),
+            flush=True,
+        )
     base = labels[0]
     cold_ratio = _median_ratio(cold, base)
-    out = {label: {"cold_ttft_ms": 1000 * statistics.median(cold[label]),
-                   "hit_ttft_ms": 1000 * statistics.median(hit[label]),
-                   "cold_over_hit": statistics.median([c / h for c, h in zip(cold[label], hit[label])]),
-                   "cold_ttft_ratio_to_" + base: cold_ratio[label],
-                   "cached_tokens": cached[label],
-                   "cold_ttft_ms_runs": [1000 * t for t in cold[label]],
-                   "hit_ttft_ms_runs": [1000 * t for t in hit[label]]} for label in labels}
+    out = {
+        label: {
+            "cold_ttft_ms": 1000 * statistics.median(cold[label]),
+            "hit_ttft_ms": 1000 * statistics.median(hit[label]),
+            "cold_over_hit": statistics.median([c / h for c, h in zip(cold[label], hit[label])]),
+            "cold_ttft_ratio_to_" + base: cold_ratio[label],
+            "cached_tokens": cached[label],
+            "cold_ttft_ms_runs": [1000 * t for t in cold[label]],
+            "hit_ttft_ms_runs": [1000 * t for t in hit[label]],
+        }
+        for label in labels
+    }
     for label, times in tier.items():
         runs = tier_runs[label]
-        out[label].update({
-            "tier_hit_ttft_ms": 1000 * statistics.median(times),
-            "tier_hit_over_cold": statistics.median([t / c for t, c in zip(times, cold[label])]),
-            "tier_load_ms": 1000 * statistics.median(x["kv_offload_load_seconds"] for x in runs),
-            "tier_load_share_of_ttft": statistics.median(x["kv_offload_load_seconds"] / t
-                                                         for x, t in zip(runs, times)),
-            "tier_cached_tokens": runs[-1]["cached_tokens"], "tier_hit_tokens": runs[-1]["external_prefix_cache_hits"],
-            "tier_bytes_read": runs[-1]["kv_offload_bytes_read"], "tier_runs": runs})
+        out[label].update(
+            {
+                "tier_hit_ttft_ms": 1000 * statistics.median(times),
+                "tier_hit_over_cold": statistics.median([t / c for t, c in zip(times, cold[label])]),
+                "tier_load_ms": 1000 * statistics.median(x["kv_offload_load_seconds"] for x in runs),
+                "tier_load_share_of_ttft": statistics.median(
+                    x["kv_offload_load_seconds"] / t for x, t in zip(runs, times)
+                ),
+                "tier_cached_tokens": runs[-1]["cached_tokens"],
+                "tier_hit_tokens": runs[-1]["external_prefix_cache_hits"],
+                "tier_bytes_read": runs[-1]["kv_offload_bytes_read"],
+                "tier_runs": runs,
+            }
+        )
     return out
 
 
@@ -268,17 +326,29 @@ def run_bench(args, engine_kwargs: dict) -> dict:
     mode = {"throughput": _throughput, "latency": _latency, "prefix": _prefix}[args.mode]
     results = mode(engines, args, first.vocab_size, avoid)
     report = {
-        "mode": args.mode, "model": args.model, "dtype": str(first.dtype).replace("torch.", ""),
-        "device": str(first.device), "attention_backend": first.backend.name,
-        "configs": [c.to_json() for c in configs], "baseline": configs[0].label,
-        "params": {k: getattr(args, k) for k in ("num_requests", "prompt_len", "output_len", "batch_sizes",
-                                                 "prefix_len", "repeats", "seed")},
+        "mode": args.mode,
+        "model": args.model,
+        "dtype": str(first.dtype).replace("torch.", ""),
+        "device": str(first.device),
+        "attention_backend": first.backend.name,
+        "configs": [c.to_json() for c in configs],
+        "baseline": configs[0].label,
+        "params": {
+            k: getattr(args, k)
+            for k in ("num_requests", "prompt_len", "output_len", "batch_sizes", "prefix_len", "repeats", "seed")
+        },
         "engine": engine_kwargs,
-        "setup_seconds": setup, "kernel_build_seconds": _kernel_build_seconds(first),
+        "setup_seconds": setup,
+        "kernel_build_seconds": _kernel_build_seconds(first),
         "results": results,
-        "env": {"torch": torch.__version__, "python": platform.python_version(),
-                "cpu": _cpu_name(), "threads": torch.get_num_threads(),
-                "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "env": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpu": _cpu_name(),
+            "threads": torch.get_num_threads(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
     }
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -43,11 +43,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class EvalConfig:
-    spec: str                      # the string as given
-    kv_cache_dtype: str            # canonical engine name (fp8 -> fp8_e4m3, bf16 -> bfloat16)
-    scales: str | None = None      # kv_scales for the engine
+    spec: str  # the string as given
+    kv_cache_dtype: str  # canonical engine name (fp8 -> fp8_e4m3, bf16 -> bfloat16)
+    scales: str | None = None  # kv_scales for the engine
     skip_layers: tuple | None = None  # ("sliding_window", 3, ...); () = explicitly none; None = engine default
-    rotation: str = "auto"         # engine kv_rotation: auto (follow the scales) | none | hadamard
+    rotation: str = "auto"  # engine kv_rotation: auto (follow the scales) | none | hadamard
 
     @property
     def label(self) -> str:
@@ -70,13 +70,22 @@ class EvalConfig:
         return _cd(self.kv_cache_dtype).dynamic
 
     def engine_kwargs(self) -> dict:
-        return {"kv_cache_dtype": self.kv_cache_dtype, "kv_scales": self.scales,
-                "kv_cache_dtype_skip_layers": None if self.skip_layers is None else list(self.skip_layers),
-                "kv_rotation": self.rotation}
+        return {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_scales": self.scales,
+            "kv_cache_dtype_skip_layers": None if self.skip_layers is None else list(self.skip_layers),
+            "kv_rotation": self.rotation,
+        }
 
     def to_json(self) -> dict:
-        return {"spec": self.spec, "label": self.label, "kv_cache_dtype": self.kv_cache_dtype,
-                "scales": self.scales, "skip_layers": list(self.skip_layers or []), "rotation": self.rotation}
+        return {
+            "spec": self.spec,
+            "label": self.label,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "scales": self.scales,
+            "skip_layers": list(self.skip_layers or []),
+            "rotation": self.rotation,
+        }
 
 
 def _dtype(name: str, spec: str) -> str:
@@ -85,9 +94,11 @@ def _dtype(name: str, spec: str) -> str:
     try:
         return resolve_cache_dtype(name).name
     except ValueError:
-        raise ConfigError(f"unknown configuration {spec!r}: {name!r} is not a kv-cache dtype; "
-                          f"use DTYPE[:SCALES_DIR][+skip=LAYERS] with DTYPE one of "
-                          f"bf16, {', '.join(n for n in CACHE_DTYPE_NAMES if n != 'auto')}") from None
+        raise ConfigError(
+            f"unknown configuration {spec!r}: {name!r} is not a kv-cache dtype; "
+            f"use DTYPE[:SCALES_DIR][+skip=LAYERS] with DTYPE one of "
+            f"bf16, {', '.join(n for n in CACHE_DTYPE_NAMES if n != 'auto')}"
+        ) from None
 
 
 def _layers(text: str, spec: str) -> tuple:
@@ -95,8 +106,9 @@ def _layers(text: str, spec: str) -> tuple:
         return ()
     parts = [p.strip() for p in re.split(r"[/;]", text) if p.strip()]
     if not parts:
-        raise ConfigError(f"configuration {spec!r}: '+skip=' needs layers (sliding_window and/or indices "
-                          f"separated by '/' or ';')")
+        raise ConfigError(
+            f"configuration {spec!r}: '+skip=' needs layers (sliding_window and/or indices separated by '/' or ';')"
+        )
     out: list = []
     for p in parts:
         if p == "sliding_window":
@@ -104,8 +116,7 @@ def _layers(text: str, spec: str) -> tuple:
         elif re.fullmatch(r"\d+", p):
             out.append(int(p))
         else:
-            raise ConfigError(f"configuration {spec!r}: skip layer {p!r} is neither 'sliding_window' "
-                              f"nor a layer index")
+            raise ConfigError(f"configuration {spec!r}: skip layer {p!r} is neither 'sliding_window' nor a layer index")
     return tuple(dict.fromkeys(out))
 
 
@@ -120,8 +131,7 @@ def parse_config(spec: str) -> EvalConfig:
     mods = "+" + mods if mods else ""
     found = _MODIFIER.findall(mods)
     if "".join(f"+{k}={v}" for k, v in found) != mods:
-        raise ConfigError(f"unknown configuration {spec!r}: the modifiers are '+rot=hadamard|none' and "
-                          f"'+skip=LAYERS'")
+        raise ConfigError(f"unknown configuration {spec!r}: the modifiers are '+rot=hadamard|none' and '+skip=LAYERS'")
     for key, val in found:
         if key == "skip":
             skip = _layers(val, spec)
@@ -152,7 +162,9 @@ def parse_configs(text: str | list[str]) -> list[EvalConfig]:
     seen: dict[str, str] = {}
     for c in configs:
         if c.label in seen:
-            raise ConfigError(f"configurations {seen[c.label]!r} and {c.spec!r} have the same label "
-                              f"{c.label!r}; give the scales directories different names")
+            raise ConfigError(
+                f"configurations {seen[c.label]!r} and {c.spec!r} have the same label "
+                f"{c.label!r}; give the scales directories different names"
+            )
         seen[c.label] = c.spec
     return configs

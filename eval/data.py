@@ -32,9 +32,9 @@ class DataError(ValueError):
 @dataclass
 class EvalText:
     name: str
-    source: str          # file path or hub id
+    source: str  # file path or hub id
     text: str
-    sha256: str          # of the normalised text (what is tokenized)
+    sha256: str  # of the normalised text (what is tokenized)
     file_sha256: str | None = None
 
 
@@ -58,8 +58,7 @@ def _load_file(path: Path) -> str:
         ds = datasets.load_dataset("json", data_files=str(path), split="train")
         field = "text" if "text" in ds.column_names else "page" if "page" in ds.column_names else None
         if field is None:
-            raise DataError(f"{path}: a JSON-lines dataset needs a 'text' or 'page' field, "
-                            f"found {ds.column_names}")
+            raise DataError(f"{path}: a JSON-lines dataset needs a 'text' or 'page' field, found {ds.column_names}")
         return "\n\n".join(ds[field])
     ds = datasets.load_dataset("text", data_files=str(path), split="train", keep_linebreaks=True)
     return "".join(ds["text"])
@@ -70,19 +69,18 @@ def load_text(dataset: str = "wikitext") -> EvalText:
         path = wikitext_test_file()
         if path is not None:
             text = _load_file(path).replace("\r\n", "\n")
-            return EvalText("wikitext-2-raw-v1/test", str(path), text, _sha(text.encode()),
-                            _sha(path.read_bytes()))
+            return EvalText("wikitext-2-raw-v1/test", str(path), text, _sha(text.encode()), _sha(path.read_bytes()))
         try:
             ds = datasets.load_dataset("wikitext", "wikitext-2-raw-v1", split="test")
         except Exception as e:  # noqa: BLE001 - no hub, no local copy: say both
-            raise DataError(f"WikiText-2 is not available: {not_found(WIKITEXT_TEST)}; and the hub "
-                            f"failed: {e}") from None
+            raise DataError(
+                f"WikiText-2 is not available: {not_found(WIKITEXT_TEST)}; and the hub failed: {e}"
+            ) from None
         text = "".join(ds["text"]).replace("\r\n", "\n")
         return EvalText("wikitext-2-raw-v1/test", "hub:wikitext/wikitext-2-raw-v1", text, _sha(text.encode()))
     path = Path(dataset)
     if not path.is_file():
-        raise DataError(f"--dataset {dataset}: not a known dataset name ({', '.join(WIKITEXT_NAMES)}) "
-                        f"and no such file")
+        raise DataError(f"--dataset {dataset}: not a known dataset name ({', '.join(WIKITEXT_NAMES)}) and no such file")
     text = _load_file(path).replace("\r\n", "\n")
     return EvalText(path.name, str(path), text, _sha(text.encode()), _sha(path.read_bytes()))
 
@@ -106,8 +104,10 @@ def make_windows(tokenizer, text: str, num_windows: int, window: int) -> list[li
     bos = [tokenizer.bos_token_id] if adds_bos(tokenizer) else []
     span = window - len(bos)
     if len(ids) < num_windows * span:
-        raise DataError(f"the dataset has {len(ids):,} tokens, fewer than the {num_windows} x {span:,} = "
-                        f"{num_windows * span:,} that {num_windows} windows of {window} tokens need; "
-                        f"lower --num-windows or --window")
+        raise DataError(
+            f"the dataset has {len(ids):,} tokens, fewer than the {num_windows} x {span:,} = "
+            f"{num_windows * span:,} that {num_windows} windows of {window} tokens need; "
+            f"lower --num-windows or --window"
+        )
     stride = len(ids) // num_windows
-    return [bos + ids[i * stride:i * stride + span] for i in range(num_windows)]
+    return [bos + ids[i * stride : i * stride + span] for i in range(num_windows)]

@@ -59,17 +59,16 @@ def ppl_delta_figure(accuracy: dict, baseline: str, max_ppl_delta: float | None 
 def ttft_figure(latency: dict | None) -> bytes:
     fig, ax = plt.subplots(figsize=(9, 4.6))
     if not latency:
-        ax.text(0.5, 0.5, "latency was not measured (--ttft-lengths none)", ha="center", va="center",
-                transform=ax.transAxes)
+        ax.text(
+            0.5, 0.5, "latency was not measured (--ttft-lengths none)", ha="center", va="center", transform=ax.transAxes
+        )
         return _png(fig)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, lat) in enumerate(latency.items()):
         lengths = sorted(int(L) for L in lat["ttft"])
         c = colors[i % len(colors)]
-        ax.plot(lengths, [lat["ttft"][str(L)]["cold"]["median_ms"] for L in lengths], "o-", color=c,
-                label=f"{label}")
-        ax.plot(lengths, [lat["ttft"][str(L)]["prefix_hit"]["median_ms"] for L in lengths], "s--", color=c,
-                alpha=0.7)
+        ax.plot(lengths, [lat["ttft"][str(L)]["cold"]["median_ms"] for L in lengths], "o-", color=c, label=f"{label}")
+        ax.plot(lengths, [lat["ttft"][str(L)]["prefix_hit"]["median_ms"] for L in lengths], "s--", color=c, alpha=0.7)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt length (tokens)")
@@ -84,8 +83,15 @@ def scales_figure(scales: dict) -> bytes:
     fig, axes = plt.subplots(2, 1, figsize=(9, 6.4), sharex=True)
     if not scales:
         for ax in axes:
-            ax.text(0.5, 0.5, "no statically scaled configuration (bf16, dynamic per-token-head modes only)",
-                    ha="center", va="center", transform=ax.transAxes, fontsize=10)
+            ax.text(
+                0.5,
+                0.5,
+                "no statically scaled configuration (bf16, dynamic per-token-head modes only)",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                fontsize=10,
+            )
         return _png(fig)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     quantities = {s["quantity"] for s in scales.values()}

@@ -60,13 +60,17 @@ def load_compare(path: str | Path, model: dict) -> dict:
         kind = old.get("kind") if isinstance(old, dict) else None
         raise CompareError(f"--compare {path}: not a qkv eval report (kind {kind!r})")
     if old.get("report_version") != REPORT_VERSION:
-        raise CompareError(f"--compare {path}: report version {old.get('report_version')!r}, this qkv writes "
-                           f"version {REPORT_VERSION}; rerun the old configuration with this version")
+        raise CompareError(
+            f"--compare {path}: report version {old.get('report_version')!r}, this qkv writes "
+            f"version {REPORT_VERSION}; rerun the old configuration with this version"
+        )
     old_model = old.get("model", {})
     if old_model.get("fingerprint") != model["fingerprint"]:
-        raise CompareError(f"--compare {path}: that report is of model {old_model.get('name')!r} "
-                           f"(fingerprint {str(old_model.get('fingerprint'))[:12]}), this run is of "
-                           f"{model['name']!r} (fingerprint {model['fingerprint'][:12]}): refusing to compare")
+        raise CompareError(
+            f"--compare {path}: that report is of model {old_model.get('name')!r} "
+            f"(fingerprint {str(old_model.get('fingerprint'))[:12]}), this run is of "
+            f"{model['name']!r} (fingerprint {model['fingerprint'][:12]}): refusing to compare"
+        )
     return old
 
 
@@ -74,8 +78,9 @@ def _flag(flags, config, metric, old, new, interval, worse, kind):
     lo, hi = interval
     bad = new > hi if worse == "higher" else new < lo
     if bad:
-        flags.append({"config": config, "metric": metric, "old": old, "new": new, "old_interval": [lo, hi],
-                      "kind": kind})
+        flags.append(
+            {"config": config, "metric": metric, "old": old, "new": new, "old_interval": [lo, hi], "kind": kind}
+        )
 
 
 def compare(new: dict, old: dict, gate_latency: bool = False) -> dict:
@@ -86,32 +91,74 @@ def compare(new: dict, old: dict, gate_latency: bool = False) -> dict:
     setup_old = {k: old.get("setup", {}).get(k) for k in setup_new}
     for label in common:
         a, o = new["accuracy"][label], old["accuracy"][label]
-        for m, worse in (("ppl", "higher"), ("ppl_delta_pct", "higher"), ("kl_mean", "higher"),
-                         ("kl_p99", "higher"), ("top1_agreement", "lower")):
+        for m, worse in (
+            ("ppl", "higher"),
+            ("ppl_delta_pct", "higher"),
+            ("kl_mean", "higher"),
+            ("kl_p99", "higher"),
+            ("top1_agreement", "lower"),
+        ):
             if m in o and f"{m}_ci95" in o:
                 _flag(flags, label, m, o[m], a[m], o[f"{m}_ci95"], worse, "accuracy")
         mn, mo = new["memory"].get(label), old.get("memory", {}).get(label)
         if mn and mo:
-            _flag(flags, label, "kv_bytes_per_token", mo["kv_bytes_per_token"], mn["kv_bytes_per_token"],
-                  (mo["kv_bytes_per_token"],) * 2, "higher", "memory")
+            _flag(
+                flags,
+                label,
+                "kv_bytes_per_token",
+                mo["kv_bytes_per_token"],
+                mn["kv_bytes_per_token"],
+                (mo["kv_bytes_per_token"],) * 2,
+                "higher",
+                "memory",
+            )
             if (mn["kv_budget_bytes"], mn["memory_len"]) == (mo["kv_budget_bytes"], mo["memory_len"]):
-                _flag(flags, label, "max_concurrent_seqs", mo["max_concurrent_seqs"], mn["max_concurrent_seqs"],
-                      (mo["max_concurrent_seqs"],) * 2, "lower", "memory")
+                _flag(
+                    flags,
+                    label,
+                    "max_concurrent_seqs",
+                    mo["max_concurrent_seqs"],
+                    mn["max_concurrent_seqs"],
+                    (mo["max_concurrent_seqs"],) * 2,
+                    "lower",
+                    "memory",
+                )
         ln, lo_ = (new.get("latency") or {}).get(label), (old.get("latency") or {}).get(label)
         if ln and lo_:
             for L, t in ln["ttft"].items():
                 for mode in ("cold", "prefix_hit"):
                     o_ = lo_["ttft"].get(L, {}).get(mode, {})
                     if "ratio" in t[mode] and "ratio_range" in o_:
-                        _flag(flags, label, f"ttft_{mode}_{L}_ratio", o_["ratio"], t[mode]["ratio"],
-                              o_["ratio_range"], "higher", "latency")
+                        _flag(
+                            flags,
+                            label,
+                            f"ttft_{mode}_{L}_ratio",
+                            o_["ratio"],
+                            t[mode]["ratio"],
+                            o_["ratio_range"],
+                            "higher",
+                            "latency",
+                        )
             for b, d in ln["decode_per_token"].items():
                 o_ = lo_["decode_per_token"].get(b, {})
                 if "ratio" in d and "ratio_range" in o_:
-                    _flag(flags, label, f"decode_b{b}_ratio", o_["ratio"], d["ratio"], o_["ratio_range"],
-                          "higher", "latency")
+                    _flag(
+                        flags,
+                        label,
+                        f"decode_b{b}_ratio",
+                        o_["ratio"],
+                        d["ratio"],
+                        o_["ratio_range"],
+                        "higher",
+                        "latency",
+                    )
     gating = [f for f in flags if f["kind"] != "latency" or gate_latency]
-    return {"against": old.get("created"), "configs_compared": common,
-            "configs_missing": [k for k in old.get("accuracy", {}) if k not in new["accuracy"]],
-            "same_setup": setup_new == setup_old, "setup_old": setup_old,
-            "flags": flags, "failed": bool(gating)}
+    return {
+        "against": old.get("created"),
+        "configs_compared": common,
+        "configs_missing": [k for k in old.get("accuracy", {}) if k not in new["accuracy"]],
+        "same_setup": setup_new == setup_old,
+        "setup_old": setup_old,
+        "flags": flags,
+        "failed": bool(gating),
+    }

@@ -45,8 +45,9 @@ def random_prompts(vocab: int, n: int, length: int, seed: int, avoid: set[int]) 
     return out
 
 
-def run_requests(engine, prompts: list[list[int]], max_tokens: int,
-                 on_step: Callable[[], None] | None = None) -> tuple[float, float, int, list]:
+def run_requests(
+    engine, prompts: list[list[int]], max_tokens: int, on_step: Callable[[], None] | None = None
+) -> tuple[float, float, int, list]:
     """(time until every sequence has its first token, total time, decode steps after that, outputs).
 
     ``on_step`` is called after every engine step (the throughput benchmark samples
@@ -90,9 +91,16 @@ def _stats(values: list[float], base: list[float] | None) -> dict:
     return out
 
 
-def measure_latency(engines: dict, baseline: str, ttft_lengths: list[int], repeats: int,
-                    decode_batches: list[int], decode_prompt_len: int, decode_tokens: int,
-                    seed: int = 0) -> dict:
+def measure_latency(
+    engines: dict,
+    baseline: str,
+    ttft_lengths: list[int],
+    repeats: int,
+    decode_batches: list[int],
+    decode_prompt_len: int,
+    decode_tokens: int,
+    seed: int = 0,
+) -> dict:
     """All latency numbers, keyed by configuration label."""
     labels = list(engines)
     avoid = set().union(*(e.eos_token_ids for e in engines.values()))
@@ -113,8 +121,12 @@ def measure_latency(engines: dict, baseline: str, ttft_lengths: list[int], repea
                 t, _, _, outs = run_requests(engines[label], prompt, 1)
                 hot[L][label].append(t)
                 cached[L][label] = outs[0].num_cached_tokens
-            logger.info("TTFT repeat %d, %d tokens: %s", r + 1, L, ", ".join(
-                f"{k} {1000 * cold[L][k][-1]:.0f}/{1000 * hot[L][k][-1]:.0f} ms" for k in labels))
+            logger.info(
+                "TTFT repeat %d, %d tokens: %s",
+                r + 1,
+                L,
+                ", ".join(f"{k} {1000 * cold[L][k][-1]:.0f}/{1000 * hot[L][k][-1]:.0f} ms" for k in labels),
+            )
     decode = {b: {k: [] for k in labels} for b in decode_batches}
     for r in range(repeats):
         for b in decode_batches:
@@ -122,17 +134,27 @@ def measure_latency(engines: dict, baseline: str, ttft_lengths: list[int], repea
             for label in rotate_order(labels, r):
                 t_first, total, steps, _ = run_requests(engines[label], prompts, decode_tokens)
                 decode[b][label].append((total - t_first) / max(steps, 1))
-            logger.info("decode repeat %d, batch %d: %s", r + 1, b, ", ".join(
-                f"{k} {1000 * decode[b][k][-1]:.1f} ms/token" for k in labels))
+            logger.info(
+                "decode repeat %d, batch %d: %s",
+                r + 1,
+                b,
+                ", ".join(f"{k} {1000 * decode[b][k][-1]:.1f} ms/token" for k in labels),
+            )
     out: dict = {}
     for label in labels:
         base = None if label == baseline else baseline
         out[label] = {
-            "ttft": {str(L): {"cold": _stats(cold[L][label], cold[L][base] if base else None),
-                              "prefix_hit": _stats(hot[L][label], hot[L][base] if base else None),
-                              "cached_tokens": cached[L][label]} for L in ttft_lengths},
-            "decode_per_token": {str(b): _stats(decode[b][label], decode[b][base] if base else None)
-                                 for b in decode_batches},
+            "ttft": {
+                str(L): {
+                    "cold": _stats(cold[L][label], cold[L][base] if base else None),
+                    "prefix_hit": _stats(hot[L][label], hot[L][base] if base else None),
+                    "cached_tokens": cached[L][label],
+                }
+                for L in ttft_lengths
+            },
+            "decode_per_token": {
+                str(b): _stats(decode[b][label], decode[b][base] if base else None) for b in decode_batches
+            },
         }
         for b in decode_batches:
             d = out[label]["decode_per_token"][str(b)]
@@ -146,7 +168,12 @@ def memory_metrics(engine, kv_budget: str | int, memory_len: int) -> dict:
     per_block = bytes_per_block(engine.layer_specs, engine.block_size)
     usable = max(budget // per_block - 1, 0)
     per_seq = -(-memory_len // engine.block_size)
-    return {"kv_bytes_per_token": engine.kv_bytes_per_token,
-            "kv_bytes_per_token_by_layer": engine.kv_bytes_per_token_by_layer(),
-            "kv_budget_bytes": budget, "memory_len": memory_len, "block_size": engine.block_size,
-            "max_concurrent_seqs": int(usable // per_seq), "max_tokens_in_budget": int(usable * engine.block_size)}
+    return {
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "kv_bytes_per_token_by_layer": engine.kv_bytes_per_token_by_layer(),
+        "kv_budget_bytes": budget,
+        "memory_len": memory_len,
+        "block_size": engine.block_size,
+        "max_concurrent_seqs": int(usable // per_seq),
+        "max_tokens_in_budget": int(usable * engine.block_size),
+    }

@@ -67,28 +67,48 @@ _ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConf
 
 
 class QKVLM(TemplateLM):
-    def __init__(self, pretrained: str, dtype: str = EvalArgs.dtype,
-                 kv_cache_dtype: str = _ENGINE_DEFAULTS["kv_cache_dtype"], kv_scales: str | None = None,
-                 kv_cache_dtype_skip_layers=None, kv_rotation: str = _ENGINE_DEFAULTS["kv_rotation"],
-                 kv_cache_memory: str = EvalArgs.kv_cache_memory, max_length: int | None = None,
-                 max_gen_toks: int = 256,
-                 add_bos_token: bool | None = None, device: str | None = None, batch_size=1,
-                 max_model_len: int | None = None, seed: int = 1234, **kwargs) -> None:
+    def __init__(
+        self,
+        pretrained: str,
+        dtype: str = EvalArgs.dtype,
+        kv_cache_dtype: str = _ENGINE_DEFAULTS["kv_cache_dtype"],
+        kv_scales: str | None = None,
+        kv_cache_dtype_skip_layers=None,
+        kv_rotation: str = _ENGINE_DEFAULTS["kv_rotation"],
+        kv_cache_memory: str = EvalArgs.kv_cache_memory,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        add_bos_token: bool | None = None,
+        device: str | None = None,
+        batch_size=1,
+        max_model_len: int | None = None,
+        seed: int = 1234,
+        **kwargs,
+    ) -> None:
         super().__init__()
         if kwargs:
             logger.info("qkv lm-eval model ignores %s", sorted(kwargs))
         if device in ("", "auto") or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             device = None  # lm-eval's CLI passes device="cuda" by default; the engine picks cuda or cpu
-        self.llm = LLM(str(pretrained), dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                       kv_scales=kv_scales or None, kv_cache_dtype_skip_layers=parse_skip(kv_cache_dtype_skip_layers),
-                       kv_rotation=kv_rotation or _ENGINE_DEFAULTS["kv_rotation"], kv_cache_memory=kv_cache_memory,
-                       max_model_len=max_model_len, device=device)
+        self.llm = LLM(
+            str(pretrained),
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_scales=kv_scales or None,
+            kv_cache_dtype_skip_layers=parse_skip(kv_cache_dtype_skip_layers),
+            kv_rotation=kv_rotation or _ENGINE_DEFAULTS["kv_rotation"],
+            kv_cache_memory=kv_cache_memory,
+            max_model_len=max_model_len,
+            device=device,
+        )
         self.engine = self.llm.llm_engine
         self.tokenizer = self.engine.tokenizer
         self._max_length = int(max_length) if max_length else self.engine.max_model_len
         if self._max_length > self.engine.max_model_len:
-            raise ValueError(f"max_length {self._max_length} exceeds the engine's max_model_len "
-                             f"{self.engine.max_model_len}; raise kv_cache_memory or max_model_len")
+            raise ValueError(
+                f"max_length {self._max_length} exceeds the engine's max_model_len "
+                f"{self.engine.max_model_len}; raise kv_cache_memory or max_model_len"
+            )
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self.seed = seed
@@ -112,8 +132,9 @@ class QKVLM(TemplateLM):
     def max_gen_toks(self) -> int:
         return self._max_gen_toks
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None, **kwargs
+    ) -> list[int]:
         """As lm-eval's ``hf`` model: the tokenizer's default special tokens, none when BOS is already there."""
         if add_special_tokens is not None:
             special = {"add_special_tokens": add_special_tokens}
@@ -131,7 +152,7 @@ class QKVLM(TemplateLM):
 
     # -- scoring ----------------------------------------------------------------
     def _score(self, context_enc: list[int], continuation_enc: list[int]) -> tuple[float, bool]:
-        whole = (context_enc + continuation_enc)[-(self.max_length + 1):]
+        whole = (context_enc + continuation_enc)[-(self.max_length + 1) :]
         inp = whole[:-1]
         n = len(continuation_enc)
         logits = prefill_logits(self.engine, inp)[-n:]
@@ -142,8 +163,9 @@ class QKVLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         out = []
-        for key, context_enc, continuation_enc in tqdm(requests, disable=disable_tqdm or len(requests) < 2,
-                                                      desc="qkv loglikelihood"):
+        for key, context_enc, continuation_enc in tqdm(
+            requests, disable=disable_tqdm or len(requests) < 2, desc="qkv loglikelihood"
+        ):
             if not continuation_enc:
                 out.append((0.0, True))
                 continue
@@ -156,11 +178,19 @@ class QKVLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
         for (string,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="qkv rolling"):
-            windows = map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length, context_len=1))
-            total = sum(ll for ll, _ in self._loglikelihood_tokens(
-                [(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True))
+            windows = map(
+                lm_utils.make_disjoint_window,
+                lm_utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            )
+            total = sum(
+                ll
+                for ll, _ in self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True)
+            )
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
         return out
@@ -178,10 +208,14 @@ class QKVLM(TemplateLM):
             if max_gen >= self.max_length:
                 raise ValueError(f"max_gen_toks {max_gen} must be below max_length {self.max_length}")
             sampling = bool(kw.get("do_sample")) and float(kw.get("temperature", 1.0) or 0.0) > 0
-            params = SamplingParams(temperature=float(kw.get("temperature", 1.0)) if sampling else 0.0,
-                                    top_p=float(kw.get("top_p", 1.0) or 1.0), top_k=int(kw.get("top_k", 0) or 0),
-                                    seed=self.seed + i if sampling else None, max_tokens=max_gen,
-                                    stop=[s for s in until if s])
+            params = SamplingParams(
+                temperature=float(kw.get("temperature", 1.0)) if sampling else 0.0,
+                top_p=float(kw.get("top_p", 1.0) or 1.0),
+                top_k=int(kw.get("top_k", 0) or 0),
+                seed=self.seed + i if sampling else None,
+                max_tokens=max_gen,
+                stop=[s for s in until if s],
+            )
             prompt = self.tok_encode(context, left_truncate_len=self.max_length - max_gen)
             ids.append((engine.add_request(prompt, params), until))
         done = {}

@@ -36,14 +36,21 @@ def verdict_lines(r: dict) -> list[str]:
         if v["verdict"] == "BASELINE":
             out.append(f"BASELINE {label}: ppl {a['ppl']:.4f}")
             continue
-        why = "; ".join(v["reasons"]) if v["reasons"] else (
-            "within " + " and ".join(v["checked"]) + " thresholds" if v["checked"] else "no thresholds set")
-        out.append(f"{v['verdict']} {label}: ppl {a['ppl_delta_pct']:+.3f}% {_ci(a['ppl_delta_pct_ci95'])}, "
-                   f"KL {a['kl_mean']:.5f} ({why})")
+        why = (
+            "; ".join(v["reasons"])
+            if v["reasons"]
+            else ("within " + " and ".join(v["checked"]) + " thresholds" if v["checked"] else "no thresholds set")
+        )
+        out.append(
+            f"{v['verdict']} {label}: ppl {a['ppl_delta_pct']:+.3f}% {_ci(a['ppl_delta_pct_ci95'])}, "
+            f"KL {a['kl_mean']:.5f} ({why})"
+        )
     if r.get("compare"):
         c = r["compare"]
-        out.append(("FAIL" if c["failed"] else "PASS") + f" compare: {len(c['flags'])} metric(s) worse "
-                   f"than the old report beyond its interval")
+        out.append(
+            ("FAIL" if c["failed"] else "PASS") + f" compare: {len(c['flags'])} metric(s) worse "
+            f"than the old report beyond its interval"
+        )
     return out
 
 
@@ -53,52 +60,120 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     out = []
     rows = []
     for label, a in r["accuracy"].items():
-        rows.append([label, f"{a['ppl']:.4f}", f"{a['ppl_delta_pct']:+.3f}", _ci(a["ppl_delta_pct_ci95"], "{:+.3f}"),
-                     f"{a['kl_mean']:.5f}", f"{a['kl_p99']:.5f}", f"{100 * a['top1_agreement']:.2f}",
-                     r["verdicts"][label]["verdict"]])
-    out.append((f"Accuracy ({r['setup']['num_windows']} windows x {r['setup']['window']} tokens, "
-                f"{r['setup']['dataset']}; KL and top-1 against {base})",
-                ["config", "ppl", "Δppl %", "95% CI", "KL mean", "KL p99", "top-1 %", "verdict"], rows))
-    rows = [[c["label"], c.get("cache", ""), " ".join(map(str, c.get("unquantized_layers", []))) or "-"]
-            for c in r["configs"]]
-    out.append(("KV cache per configuration (layers kept in the model dtype: skip flags or a checkpoint's auto-skip)",
-                ["config", "cache layers", "unquantized layers"], rows))
+        rows.append(
+            [
+                label,
+                f"{a['ppl']:.4f}",
+                f"{a['ppl_delta_pct']:+.3f}",
+                _ci(a["ppl_delta_pct_ci95"], "{:+.3f}"),
+                f"{a['kl_mean']:.5f}",
+                f"{a['kl_p99']:.5f}",
+                f"{100 * a['top1_agreement']:.2f}",
+                r["verdicts"][label]["verdict"],
+            ]
+        )
+    out.append(
+        (
+            f"Accuracy ({r['setup']['num_windows']} windows x {r['setup']['window']} tokens, "
+            f"{r['setup']['dataset']}; KL and top-1 against {base})",
+            ["config", "ppl", "Δppl %", "95% CI", "KL mean", "KL p99", "top-1 %", "verdict"],
+            rows,
+        )
+    )
+    rows = [
+        [c["label"], c.get("cache", ""), " ".join(map(str, c.get("unquantized_layers", []))) or "-"]
+        for c in r["configs"]
+    ]
+    out.append(
+        (
+            "KV cache per configuration (layers kept in the model dtype: skip flags or a checkpoint's auto-skip)",
+            ["config", "cache layers", "unquantized layers"],
+            rows,
+        )
+    )
     rows = []
     for label, m in r["memory"].items():
         b = r["memory"][base]
-        rows.append([label, str(m["kv_bytes_per_token"]), f"{m['kv_bytes_per_token'] / b['kv_bytes_per_token']:.3f}",
-                     str(m["max_concurrent_seqs"]),
-                     f"{m['max_concurrent_seqs'] / max(b['max_concurrent_seqs'], 1):.2f}"])
+        rows.append(
+            [
+                label,
+                str(m["kv_bytes_per_token"]),
+                f"{m['kv_bytes_per_token'] / b['kv_bytes_per_token']:.3f}",
+                str(m["max_concurrent_seqs"]),
+                f"{m['max_concurrent_seqs'] / max(b['max_concurrent_seqs'], 1):.2f}",
+            ]
+        )
     m0 = r["memory"][base]
-    out.append((f"KV memory (budget {m0['kv_budget_bytes'] / 2**20:,.0f} MiB, sequences of {m0['memory_len']} tokens)",
-                ["config", "KV bytes/token", "ratio", "max concurrent seqs", "ratio"], rows))
+    out.append(
+        (
+            f"KV memory (budget {m0['kv_budget_bytes'] / 2**20:,.0f} MiB, sequences of {m0['memory_len']} tokens)",
+            ["config", "KV bytes/token", "ratio", "max concurrent seqs", "ratio"],
+            rows,
+        )
+    )
     if r.get("latency"):
         lat = r["latency"]
         lengths = list(lat[base]["ttft"])
         batches = list(lat[base]["decode_per_token"])
-        header = ["config"] + [f"TTFT {L} cold ms (×)" for L in lengths] + [f"TTFT {L} hit ms (×)" for L in lengths] \
+        header = (
+            ["config"]
+            + [f"TTFT {L} cold ms (×)" for L in lengths]
+            + [f"TTFT {L} hit ms (×)" for L in lengths]
             + [f"decode b{b} ms/tok (×)" for b in batches]
+        )
         rows = []
         for label, t in lat.items():
+
             def cell(d):
                 return f"{d['median_ms']:.1f}" + (f" ({d['ratio']:.2f}×)" if "ratio" in d else "")
-            rows.append([label] + [cell(t["ttft"][L]["cold"]) for L in lengths]
-                        + [cell(t["ttft"][L]["prefix_hit"]) for L in lengths]
-                        + [cell(t["decode_per_token"][b]) for b in batches])
+
+            rows.append(
+                [label]
+                + [cell(t["ttft"][L]["cold"]) for L in lengths]
+                + [cell(t["ttft"][L]["prefix_hit"]) for L in lengths]
+                + [cell(t["decode_per_token"][b]) for b in batches]
+            )
         s = r["setup"]
-        out.append((f"Latency (median of {s['repeats']} interleaved repeats; × = ratio to {base}; decode: "
-                    f"{s['decode_prompt_len']}-token prompts, {s['decode_tokens']} tokens)", header, rows))
+        out.append(
+            (
+                f"Latency (median of {s['repeats']} interleaved repeats; × = ratio to {base}; decode: "
+                f"{s['decode_prompt_len']}-token prompts, {s['decode_tokens']} tokens)",
+                header,
+                rows,
+            )
+        )
     if r.get("compare"):
         c = r["compare"]
-        rows = [[f["config"], f["metric"], f["kind"], _f(f["old"]), _f(f["new"]),
-                 f"[{_f(f['old_interval'][0])}, {_f(f['old_interval'][1])}]"] for f in c["flags"]]
-        out.append((f"Compared with {c['source']} (same setup: {c['same_setup']}): "
-                    "metrics worse beyond the old interval",
-                    ["config", "metric", "kind", "old", "new", "old interval"], rows or [["-"] * 6]))
+        rows = [
+            [
+                f["config"],
+                f["metric"],
+                f["kind"],
+                _f(f["old"]),
+                _f(f["new"]),
+                f"[{_f(f['old_interval'][0])}, {_f(f['old_interval'][1])}]",
+            ]
+            for f in c["flags"]
+        ]
+        out.append(
+            (
+                f"Compared with {c['source']} (same setup: {c['same_setup']}): metrics worse beyond the old interval",
+                ["config", "metric", "kind", "old", "new", "old interval"],
+                rows or [["-"] * 6],
+            )
+        )
     env = r["environment"]
-    out.append(("Environment", ["key", "value"], [[k, str(v)] for k, v in env.items()]
-                + [["model", f"{r['model']['name']} ({r['model']['path']}, sha256 {r['model']['fingerprint'][:16]})"],
-                   ["dataset", f"{r['setup']['dataset_source']} (text sha256 {r['setup']['dataset_sha256'][:16]})"]]))
+    out.append(
+        (
+            "Environment",
+            ["key", "value"],
+            [[k, str(v)] for k, v in env.items()]
+            + [
+                ["model", f"{r['model']['name']} ({r['model']['path']}, sha256 {r['model']['fingerprint'][:16]})"],
+                ["dataset", f"{r['setup']['dataset_source']} (text sha256 {r['setup']['dataset_sha256'][:16]})"],
+            ],
+        )
+    )
     return out
 
 
@@ -124,8 +199,10 @@ img{max-width:100%;border:1px solid #ddd;margin:6px 0 18px}code{background:#f5f5
 
 def render_html(r: dict, pngs: dict[str, bytes]) -> str:
     e = html.escape
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>qkv eval {e(r['model']['name'])}</title>",
-             f"<style>{_CSS}</style></head><body><h1>qkv eval: {e(r['model']['name'])}</h1><ul>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>qkv eval {e(r['model']['name'])}</title>",
+        f"<style>{_CSS}</style></head><body><h1>qkv eval: {e(r['model']['name'])}</h1><ul>",
+    ]
     for v in verdict_lines(r):
         word, _, rest = v.partition(" ")
         parts.append(f"<li><span class='{word}'>{e(word)}</span> {e(rest)}</li>")
@@ -134,15 +211,21 @@ def render_html(r: dict, pngs: dict[str, bytes]) -> str:
         cls = " class='kv'" if title == "Environment" else ""
         parts.append(f"<h2>{e(title)}</h2><table{cls}><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr>")
         for row in rows:
-            parts.append("<tr>" + "".join(
-                f"<td class='{c}'>{e(c)}</td>" if c in ("PASS", "FAIL", "BASELINE") else f"<td>{e(c)}</td>"
-                for c in row) + "</tr>")
+            parts.append(
+                "<tr>"
+                + "".join(
+                    f"<td class='{c}'>{e(c)}</td>" if c in ("PASS", "FAIL", "BASELINE") else f"<td>{e(c)}</td>"
+                    for c in row
+                )
+                + "</tr>"
+            )
         parts.append("</table>")
         if title.startswith("Accuracy"):
             parts.append(_img(pngs["ppl_delta"], "perplexity delta per configuration"))
         if title.startswith("KV memory"):
-            parts.append("<h2>Per-layer K/V ranges (amax = scale × qmax)</h2>"
-                         + _img(pngs["scales"], "per-layer K and V amax"))
+            parts.append(
+                "<h2>Per-layer K/V ranges (amax = scale × qmax)</h2>" + _img(pngs["scales"], "per-layer K and V amax")
+            )
         if title.startswith("Latency"):
             parts.append(_img(pngs["ttft"], "TTFT vs prompt length"))
     if not r.get("latency"):
@@ -158,9 +241,11 @@ def _img(png: bytes, alt: str) -> str:
 def write_report(r: dict, out_dir: str | Path) -> Path:
     """Render all three files in a temporary directory, then move each into ``out_dir`` (JSON last)."""
     out_dir = Path(out_dir)
-    pngs = {"ppl_delta": figures.ppl_delta_figure(r["accuracy"], r["baseline"], r["gate"]["max_ppl_delta"]),
-            "ttft": figures.ttft_figure(r.get("latency")),
-            "scales": figures.scales_figure(r.get("scales") or {})}
+    pngs = {
+        "ppl_delta": figures.ppl_delta_figure(r["accuracy"], r["baseline"], r["gate"]["max_ppl_delta"]),
+        "ttft": figures.ttft_figure(r.get("latency")),
+        "scales": figures.scales_figure(r.get("scales") or {}),
+    }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

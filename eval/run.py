@@ -92,8 +92,14 @@ def environment(seed: int) -> dict:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    env = {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
-           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu or "none"}
+    env = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu or "none",
+    }
     for pkg in ("qkv", "torch", "transformers", "numpy", "datasets", "matplotlib", "lm_eval", "triton"):
         env[pkg] = _version(pkg)
     env["seed"] = seed
@@ -104,13 +110,16 @@ def _check_lengths(engines: dict, args: EvalArgs) -> None:
     mml = min(e.max_model_len for e in engines.values())
     too_long = [L for L in args.ttft_lengths if mml < L]
     if too_long:
-        raise ValueError(f"--ttft-lengths {too_long[0]} is longer than max_model_len={mml}; "
-                         f"use shorter prompts or raise --max-model-len/--kv-cache-memory")
+        raise ValueError(
+            f"--ttft-lengths {too_long[0]} is longer than max_model_len={mml}; "
+            f"use shorter prompts or raise --max-model-len/--kv-cache-memory"
+        )
     if args.window > mml:
         raise ValueError(f"--window {args.window} is longer than max_model_len={mml}")
     if args.decode_prompt_len + args.decode_tokens > mml:
-        raise ValueError(f"decode prompts of {args.decode_prompt_len}+{args.decode_tokens} tokens exceed "
-                         f"max_model_len={mml}")
+        raise ValueError(
+            f"decode prompts of {args.decode_prompt_len}+{args.decode_tokens} tokens exceed max_model_len={mml}"
+        )
 
 
 def _build_engines(configs: list[EvalConfig], args: EvalArgs) -> dict:
@@ -118,8 +127,15 @@ def _build_engines(configs: list[EvalConfig], args: EvalArgs) -> dict:
     shared = None  # one copy of the weights for every configuration
     for c in configs:
         logger.info("loading %s", c.label)
-        llm = LLM(args.model, preloaded_model=shared, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                  max_model_len=args.max_model_len, device=args.device, **c.engine_kwargs())
+        llm = LLM(
+            args.model,
+            preloaded_model=shared,
+            dtype=args.dtype,
+            kv_cache_memory=args.kv_cache_memory,
+            max_model_len=args.max_model_len,
+            device=args.device,
+            **c.engine_kwargs(),
+        )
         engines[c.label] = llm.llm_engine
         shared = llm.llm_engine.model
     return engines
@@ -131,8 +147,7 @@ def _unquantized(engine) -> list[int]:
 
 
 def _validate(args: EvalArgs) -> None:
-    for name in ("num_windows", "window", "repeats", "decode_prompt_len", "decode_tokens", "memory_len",
-                 "bootstrap"):
+    for name in ("num_windows", "window", "repeats", "decode_prompt_len", "decode_tokens", "memory_len", "bootstrap"):
         if getattr(args, name) < (0 if name == "repeats" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if any(L < 1 for L in args.ttft_lengths) or any(b < 1 for b in args.decode_batches):
@@ -148,7 +163,8 @@ def run_eval(args: EvalArgs) -> tuple[dict, int]:
         if (out_dir / "report.json").exists():
             (out_dir / FAILED_MARKER).write_text(
                 f"The latest qkv eval into this directory failed ({time.strftime('%Y-%m-%d %H:%M:%S')}):\n"
-                f"{type(e).__name__}: {e}\nThe report files here are from an earlier run.\n")
+                f"{type(e).__name__}: {e}\nThe report files here are from an earlier run.\n"
+            )
         raise
     (out_dir / FAILED_MARKER).unlink(missing_ok=True)
     return result
@@ -173,8 +189,16 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
     acc = accuracy.summarize(tokens, base, args.bootstrap, args.seed)
     lat = None
     if args.ttft_lengths and args.repeats:
-        lat = latency.measure_latency(engines, base, args.ttft_lengths, args.repeats, args.decode_batches,
-                                      args.decode_prompt_len, args.decode_tokens, args.seed)
+        lat = latency.measure_latency(
+            engines,
+            base,
+            args.ttft_lengths,
+            args.repeats,
+            args.decode_batches,
+            args.decode_prompt_len,
+            args.decode_tokens,
+            args.seed,
+        )
     mem = {c.label: latency.memory_metrics(engines[c.label], args.kv_budget, args.memory_len) for c in configs}
     scales = {}
     for c in configs:
@@ -183,25 +207,50 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
             scales[c.label] = got
     first = engines[base]
     r = {
-        "kind": gate.REPORT_KIND, "report_version": gate.REPORT_VERSION,
+        "kind": gate.REPORT_KIND,
+        "report_version": gate.REPORT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": args.command or f"python: qkv.eval.run.run_eval({args!r})",
-        "model": {**model, "dtype": str(first.dtype).replace("torch.", ""),
-                  "num_layers": len(first.layer_specs), "max_model_len": first.max_model_len},
+        "model": {
+            **model,
+            "dtype": str(first.dtype).replace("torch.", ""),
+            "num_layers": len(first.layer_specs),
+            "max_model_len": first.max_model_len,
+        },
         "baseline": base,
-        "configs": [{**c.to_json(), "cache": engines[c.label].cache.dtype_summary(),
-                     "unquantized_layers": _unquantized(engines[c.label]) if c.quantized else []}
-                    for c in configs],
-        "setup": {"dataset": text.name, "dataset_source": text.source, "dataset_sha256": text.sha256,
-                  "dataset_file_sha256": text.file_sha256, "num_windows": args.num_windows,
-                  "window": args.window, "scored_tokens_per_window": len(windows[0]) - 1,
-                  "seed": args.seed, "bootstrap_resamples": args.bootstrap, "chunk_size": args.chunk_size,
-                  "ttft_lengths": args.ttft_lengths, "repeats": args.repeats,
-                  "decode_batches": args.decode_batches, "decode_prompt_len": args.decode_prompt_len,
-                  "decode_tokens": args.decode_tokens, "kv_cache_memory": args.kv_cache_memory},
+        "configs": [
+            {
+                **c.to_json(),
+                "cache": engines[c.label].cache.dtype_summary(),
+                "unquantized_layers": _unquantized(engines[c.label]) if c.quantized else [],
+            }
+            for c in configs
+        ],
+        "setup": {
+            "dataset": text.name,
+            "dataset_source": text.source,
+            "dataset_sha256": text.sha256,
+            "dataset_file_sha256": text.file_sha256,
+            "num_windows": args.num_windows,
+            "window": args.window,
+            "scored_tokens_per_window": len(windows[0]) - 1,
+            "seed": args.seed,
+            "bootstrap_resamples": args.bootstrap,
+            "chunk_size": args.chunk_size,
+            "ttft_lengths": args.ttft_lengths,
+            "repeats": args.repeats,
+            "decode_batches": args.decode_batches,
+            "decode_prompt_len": args.decode_prompt_len,
+            "decode_tokens": args.decode_tokens,
+            "kv_cache_memory": args.kv_cache_memory,
+        },
         "gate": {"max_ppl_delta": max_ppl, "max_kl": max_kl},
         "verdicts": gate.verdicts(acc, base, max_ppl, max_kl),
-        "accuracy": acc, "latency": lat, "memory": mem, "scales": scales, "compare": None,
+        "accuracy": acc,
+        "latency": lat,
+        "memory": mem,
+        "scales": scales,
+        "compare": None,
         "environment": environment(args.seed),
     }
     failed = any(v["verdict"] == "FAIL" for v in r["verdicts"].values())

@@ -76,8 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         sources[s] = sc
     engine = LLM(args.model, kv_cache_dtype="auto", kv_cache_memory="64MiB").llm_engine
     windows = data.make_windows(engine.tokenizer, data.load_text(args.dataset).text, args.num_windows, args.window)
-    result = {"model": args.model, "dataset": args.dataset, "num_windows": args.num_windows, "window": args.window,
-              **count_saturation(engine, windows, sources, args.split_at)}
+    result = {
+        "model": args.model,
+        "dataset": args.dataset,
+        "num_windows": args.num_windows,
+        "window": args.window,
+        **count_saturation(engine, windows, sources, args.split_at),
+    }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -90,8 +90,11 @@ def read_calibration_json(scales_dir: str | Path, qmax: float) -> dict | None:
 
 def layer_ranges(engine, scales_dir: str | None) -> dict | None:
     """The figure's data for one engine; ``None`` when no layer has static scales."""
-    static = [(layer.spec, layer) for layer in engine.cache.layers
-              if layer.spec.dtype.quantized and not layer.spec.dtype.dynamic]
+    static = [
+        (layer.spec, layer)
+        for layer in engine.cache.layers
+        if layer.spec.dtype.quantized and not layer.spec.dtype.dynamic
+    ]
     if not static:
         return None
     qmax = static[0][0].dtype.qmax

@@ -60,29 +60,51 @@ def _check(search: SearchArgs) -> None:
     bad = [d for d in search.dtypes if d not in STATIC_DTYPES] + [s for s in search.strategies if s not in STRATEGIES]
     bad += [r for r in search.rotations if r not in ROTATIONS]
     if bad:
-        raise ValueError(f"--search grid: {bad[0]!r} is not one of dtypes {'/'.join(STATIC_DTYPES)}, "
-                         f"strategies {'/'.join(STRATEGIES)}, rotations {'/'.join(ROTATIONS)}")
+        raise ValueError(
+            f"--search grid: {bad[0]!r} is not one of dtypes {'/'.join(STATIC_DTYPES)}, "
+            f"strategies {'/'.join(STRATEGIES)}, rotations {'/'.join(ROTATIONS)}"
+        )
     if not search.dtypes or not search.strategies or not search.rotations:
         raise ValueError("--search needs at least one dtype, strategy and rotation")
 
 
-def calibrate_grid_files(model: str, search: SearchArgs, out_dir: Path, dtype: str, seed: int,
-                         device: str | None) -> tuple[list[str], dict]:
+def calibrate_grid_files(
+    model: str, search: SearchArgs, out_dir: Path, dtype: str, seed: int, device: str | None
+) -> tuple[list[str], dict]:
     """Observe once, write one scales file per (dtype, strategy, rotation); return eval specs and a record."""
     dataset = search.calib_dataset or wikitext_valid_file()
     if dataset is None:
-        raise ValueError("--search needs calibration text: pass --calib-dataset (the WikiText-2 validation "
-                         "split is used when a local copy is found, see qkv.data_files)")
+        raise ValueError(
+            "--search needs calibration text: pass --calib-dataset (the WikiText-2 validation "
+            "split is used when a local copy is found, see qkv.data_files)"
+        )
     t0 = time.perf_counter()
-    targets = [(name, strategy, rot) for name in search.dtypes for strategy in search.strategies
-               for rot in search.rotations]
-    cals = calibrate_grid(model, load_rows(str(dataset)), targets, num_samples=search.calib_samples,
-                          seq_len=search.calib_seq_len, seed=seed, dtype=dtype, device=device)
+    targets = [
+        (name, strategy, rot) for name in search.dtypes for strategy in search.strategies for rot in search.rotations
+    ]
+    cals = calibrate_grid(
+        model,
+        load_rows(str(dataset)),
+        targets,
+        num_samples=search.calib_samples,
+        seq_len=search.calib_seq_len,
+        seed=seed,
+        dtype=dtype,
+        device=device,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = [f"{name}:{write_scales_file(cal, out_dir / f'{name}-{strategy}-{rot}.safetensors')}"
-             for (name, strategy, rot), cal in zip(targets, cals)]
-    record = {"dataset": str(dataset), "samples": cals[0].num_samples, "seq_len": search.calib_seq_len,
-              "tokens": cals[0].num_tokens, "observer": "minmax", "seconds": round(time.perf_counter() - t0, 1)}
+    specs = [
+        f"{name}:{write_scales_file(cal, out_dir / f'{name}-{strategy}-{rot}.safetensors')}"
+        for (name, strategy, rot), cal in zip(targets, cals)
+    ]
+    record = {
+        "dataset": str(dataset),
+        "samples": cals[0].num_samples,
+        "seq_len": search.calib_seq_len,
+        "tokens": cals[0].num_tokens,
+        "observer": "minmax",
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     return specs, record
 
 
@@ -102,17 +124,27 @@ def recommend(report: dict, budget: float) -> dict:
     for label, acc in report["accuracy"].items():
         if label == base:
             continue
-        rows.append({"config": label,
-                     "spec": next(c["spec"] for c in report["configs"] if c["label"] == label),
-                     "kv_bytes_per_token": report["memory"][label]["kv_bytes_per_token"],
-                     "ppl_delta_pct": acc["ppl_delta_pct"], "ppl_delta_pct_ci95": acc["ppl_delta_pct_ci95"],
-                     "kl_mean": acc["kl_mean"], "top1_agreement": acc["top1_agreement"],
-                     "within_budget": acc["ppl_delta_pct"] <= budget})
+        rows.append(
+            {
+                "config": label,
+                "spec": next(c["spec"] for c in report["configs"] if c["label"] == label),
+                "kv_bytes_per_token": report["memory"][label]["kv_bytes_per_token"],
+                "ppl_delta_pct": acc["ppl_delta_pct"],
+                "ppl_delta_pct_ci95": acc["ppl_delta_pct_ci95"],
+                "kl_mean": acc["kl_mean"],
+                "top1_agreement": acc["top1_agreement"],
+                "within_budget": acc["ppl_delta_pct"] <= budget,
+            }
+        )
     rows.sort(key=lambda r: (not r["within_budget"], r["kv_bytes_per_token"], r["kl_mean"]))
     best = rows[0] if rows and rows[0]["within_budget"] else None
-    return {"max_ppl_delta_pct": budget, "baseline": base,
-            "baseline_kv_bytes_per_token": report["memory"][base]["kv_bytes_per_token"],
-            "recommended": best, "ranked": rows}
+    return {
+        "max_ppl_delta_pct": budget,
+        "baseline": base,
+        "baseline_kv_bytes_per_token": report["memory"][base]["kv_bytes_per_token"],
+        "recommended": best,
+        "ranked": rows,
+    }
 
 
 def _flags(spec: str) -> str:
@@ -126,27 +158,42 @@ def _flags(spec: str) -> str:
 
 
 def search_markdown(rec: dict, model: str, calib: dict) -> str:
-    lines = [f"# qkv eval --search: {model}", "",
-             f"Budget: ppl delta <= {rec['max_ppl_delta_pct']:g}% against {rec['baseline']} "
-             f"({rec['baseline_kv_bytes_per_token']:,} B/token). Scales: minmax on {calib['samples']} x "
-             f"{calib['seq_len']} tokens of {Path(calib['dataset']).name}.", ""]
+    lines = [
+        f"# qkv eval --search: {model}",
+        "",
+        f"Budget: ppl delta <= {rec['max_ppl_delta_pct']:g}% against {rec['baseline']} "
+        f"({rec['baseline_kv_bytes_per_token']:,} B/token). Scales: minmax on {calib['samples']} x "
+        f"{calib['seq_len']} tokens of {Path(calib['dataset']).name}.",
+        "",
+    ]
     best = rec["recommended"]
     if best:
-        lines += [f"**Recommended: `{best['config']}`**: {best['kv_bytes_per_token']:,} B/token "
-                  f"({rec['baseline_kv_bytes_per_token'] / best['kv_bytes_per_token']:.2f}x less than "
-                  f"{rec['baseline']}), ppl {best['ppl_delta_pct']:+.3f}% "
-                  f"[{best['ppl_delta_pct_ci95'][0]:+.3f}, {best['ppl_delta_pct_ci95'][1]:+.3f}]", "",
-                  f"    qkv serve {model} {_flags(best['spec'])}", ""]
+        lines += [
+            f"**Recommended: `{best['config']}`**: {best['kv_bytes_per_token']:,} B/token "
+            f"({rec['baseline_kv_bytes_per_token'] / best['kv_bytes_per_token']:.2f}x less than "
+            f"{rec['baseline']}), ppl {best['ppl_delta_pct']:+.3f}% "
+            f"[{best['ppl_delta_pct_ci95'][0]:+.3f}, {best['ppl_delta_pct_ci95'][1]:+.3f}]",
+            "",
+            f"    qkv serve {model} {_flags(best['spec'])}",
+            "",
+        ]
     else:
-        lines += ["**No configuration is within the budget**; keep the baseline or skip layers "
-                  "(`qkv calibrate --auto-skip`).", ""]
-    lines += ["| configuration | B/token | ppl delta % [95% CI] | mean KL | top-1 | within budget |",
-              "| --- | ---: | --- | ---: | ---: | :---: |"]
+        lines += [
+            "**No configuration is within the budget**; keep the baseline or skip layers "
+            "(`qkv calibrate --auto-skip`).",
+            "",
+        ]
+    lines += [
+        "| configuration | B/token | ppl delta % [95% CI] | mean KL | top-1 | within budget |",
+        "| --- | ---: | --- | ---: | ---: | :---: |",
+    ]
     for r in rec["ranked"]:
         lo, hi = r["ppl_delta_pct_ci95"]
-        lines.append(f"| {r['config']} | {r['kv_bytes_per_token']:,} | {r['ppl_delta_pct']:+.3f} "
-                     f"[{lo:+.3f}, {hi:+.3f}] | {r['kl_mean']:.5f} | {100 * r['top1_agreement']:.2f}% | "
-                     f"{'yes' if r['within_budget'] else 'no'} |")
+        lines.append(
+            f"| {r['config']} | {r['kv_bytes_per_token']:,} | {r['ppl_delta_pct']:+.3f} "
+            f"[{lo:+.3f}, {hi:+.3f}] | {r['kl_mean']:.5f} | {100 * r['top1_agreement']:.2f}% | "
+            f"{'yes' if r['within_budget'] else 'no'} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -50,6 +50,7 @@ __all__ = ["ARCHS", "specializations", "compile_one", "run", "to_json", "main"]
 
 def _options_kwargs(launch_kwargs: dict) -> dict:
     from triton import knobs
+
     kw = dict(launch_kwargs)
     kw.setdefault("debug", knobs.runtime.debug)
     kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
@@ -88,8 +89,17 @@ def specializations(launches: list, arch: int) -> list[dict]:
             "_attrs": [[list(p), v] for p, v in attrs.items()],
             "_options": options.__dict__,
         }
-        key = json.dumps({"kernel": spec["kernel"], "signature": signature, "constexprs": spec["constexprs"],
-                          "attrs": spec["attrs"], "_options": spec["_options"]}, sort_keys=True, default=str)
+        key = json.dumps(
+            {
+                "kernel": spec["kernel"],
+                "signature": signature,
+                "constexprs": spec["constexprs"],
+                "attrs": spec["attrs"],
+                "_options": spec["_options"],
+            },
+            sort_keys=True,
+            default=str,
+        )
         spec["id"] = hashlib.sha1(key.encode()).hexdigest()[:12]
         spec["divisible_by_16"] = sorted(n for n, a in spec.pop("attrs").items() if ["tt.divisibility", 16] in a)
         seen.setdefault(key, spec)
@@ -98,6 +108,7 @@ def specializations(launches: list, arch: int) -> list[dict]:
 
 def _bin(name: str) -> str:
     import triton
+
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
@@ -123,12 +134,21 @@ def _ptxas_spills(log: str) -> tuple[int, int]:
 def _ptxas_log(ptx: str, arch: int, fp_fusion: bool) -> str:
     """``ptxas -v`` on the PTX, with the flags Triton's ``make_cubin`` uses."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-               *([] if fp_fusion else ["--fmad=false"]),
-               f"--gpu-name={sm_arch_from_capability(arch)}", f.name, "-o", os.devnull]
+        cmd = [
+            get_ptxas(arch).path,
+            "-lineinfo",
+            "-v",
+            "--regAllocOptLevel=2",
+            *([] if fp_fusion else ["--fmad=false"]),
+            f"--gpu-name={sm_arch_from_capability(arch)}",
+            f.name,
+            "-o",
+            os.devnull,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True).stderr
 
 
@@ -136,6 +156,7 @@ def _worker_init(cache_dir: str) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TRITON_CACHE_DIR"] = cache_dir
     from triton import knobs
+
     knobs.nvidia.dump_ptxas_log = True  # ptxas -v output, printed by Triton when it compiles
 
 
@@ -153,26 +174,39 @@ def compile_one(spec: dict) -> dict:
     log = io.StringIO()
     try:
         with contextlib.redirect_stdout(log):
-            compiled = triton.compile(ASTSource(kernel, spec["_signature"], constexprs, attrs),
-                                      target=GPUTarget("cuda", spec["arch"], 32), options=spec["_options"])
+            compiled = triton.compile(
+                ASTSource(kernel, spec["_signature"], constexprs, attrs),
+                target=GPUTarget("cuda", spec["arch"], 32),
+                options=spec["_options"],
+            )
     except Exception as e:  # noqa: BLE001 - every failure is a result to report
-        out.update(ok=False, error=f"{type(e).__name__}: {str(e).strip()[-600:]}",
-                   seconds=round(time.perf_counter() - t0, 2))
+        out.update(
+            ok=False, error=f"{type(e).__name__}: {str(e).strip()[-600:]}", seconds=round(time.perf_counter() - t0, 2)
+        )
         return out
     log_text = log.getvalue()
     if "Used " not in log_text:  # Triton took the cubin from a cache and ran no ptxas: ask it again
         log_text = _ptxas_log(compiled.asm["ptx"], spec["arch"], spec["_options"].get("enable_fp_fusion", True))
     stores, loads = _ptxas_spills(log_text)
-    out.update(ok=True, seconds=round(time.perf_counter() - t0, 2), **_res_usage(compiled.asm["cubin"]),
-               spill_stores=stores, spill_loads=loads, dynamic_shared=compiled.metadata.shared)
+    out.update(
+        ok=True,
+        seconds=round(time.perf_counter() - t0, 2),
+        **_res_usage(compiled.asm["cubin"]),
+        spill_stores=stores,
+        spill_loads=loads,
+        dynamic_shared=compiled.metadata.shared,
+    )
     return out
 
 
 def _cost(spec: dict) -> int:
     """Rough compile cost, so the pool starts the slow jobs first."""
     c = spec["constexprs"]
-    return (c.get("HEAD_DIM", c.get("BLOCK_D", 64)) * (4 if c.get("ROTATE") else 1)
-            * (2 if spec["kernel"] == "_paged_attention_kernel" else 1))
+    return (
+        c.get("HEAD_DIM", c.get("BLOCK_D", 64))
+        * (4 if c.get("ROTATE") else 1)
+        * (2 if spec["kernel"] == "_paged_attention_kernel" else 1)
+    )
 
 
 def run(archs: tuple[int, ...] = ARCHS, jobs: int = 2) -> dict:
@@ -185,8 +219,10 @@ def run(archs: tuple[int, ...] = ARCHS, jobs: int = 2) -> dict:
         specs += specializations(drive(arch), arch)
     capture_s = time.perf_counter() - t0
     specs.sort(key=_cost, reverse=True)
-    with tempfile.TemporaryDirectory(prefix="qkv-triton-cache-") as cache_dir, \
-            ProcessPoolExecutor(jobs, initializer=_worker_init, initargs=(cache_dir,)) as pool:
+    with (
+        tempfile.TemporaryDirectory(prefix="qkv-triton-cache-") as cache_dir,
+        ProcessPoolExecutor(jobs, initializer=_worker_init, initargs=(cache_dir,)) as pool,
+    ):
         results = list(pool.map(compile_one, specs))
     results.sort(key=lambda r: (r["arch"], r["kernel"], r["id"]))
     per_arch = {}
@@ -194,20 +230,24 @@ def run(archs: tuple[int, ...] = ARCHS, jobs: int = 2) -> dict:
         rs = [r for r in results if r["arch"] == arch]
         ok = [r for r in rs if r["ok"]]
         per_arch[f"sm_{arch}"] = {
-            "specializations": len(rs), "failures": len(rs) - len(ok),
+            "specializations": len(rs),
+            "failures": len(rs) - len(ok),
             "spills": sum(1 for r in ok if r["spill_stores"] or r["spill_loads"]),
             "max_registers": max((r["reg"] for r in ok), default=None),
             "max_stack": max((r["stack"] for r in ok), default=None),
             "max_dynamic_shared": max((r["dynamic_shared"] for r in ok), default=None),
         }
     import triton
+
     return {
-        "triton": triton.__version__, "archs": [f"sm_{a}" for a in archs],
+        "triton": triton.__version__,
+        "archs": [f"sm_{a}" for a in archs],
         "summary": {
             "specializations": len(results),
             "failures": sum(1 for r in results if not r["ok"]),
             "spills": sum(v["spills"] for v in per_arch.values()),
-            "wall_seconds": round(time.perf_counter() - t0, 1), "capture_seconds": round(capture_s, 1),
+            "wall_seconds": round(time.perf_counter() - t0, 1),
+            "capture_seconds": round(capture_s, 1),
             "jobs": jobs,
         },
         "per_arch": per_arch,
@@ -237,12 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(to_json(report))
     s = report["summary"]
     for arch, v in report["per_arch"].items():
-        print(f"{arch}: {v['specializations']} specializations, {v['failures']} failures, {v['spills']} spills, "
-              f"max {v['max_registers']} registers")
+        print(
+            f"{arch}: {v['specializations']} specializations, {v['failures']} failures, {v['spills']} spills, "
+            f"max {v['max_registers']} registers"
+        )
     for r in report["results"]:
         if not r["ok"] or r["spill_stores"] or r["spill_loads"]:
-            print(f"  {'FAIL' if not r['ok'] else 'SPILL'} sm_{r['arch']} {r['kernel']} {r['id']} "
-                  f"{r.get('error') or r['constexprs']}")
+            print(
+                f"  {'FAIL' if not r['ok'] else 'SPILL'} sm_{r['arch']} {r['kernel']} {r['id']} "
+                f"{r.get('error') or r['constexprs']}"
+            )
     print(f"{s['specializations']} compiles in {s['wall_seconds']} s with {s['jobs']} jobs -> {out}")
     return 1 if s["failures"] or s["spills"] else 0
 

@@ -36,11 +36,19 @@ __all__ = ["CACHE_CONFIGS", "HEAD_DIMS", "PHASES", "drive"]
 
 # (cache dtype, static scale granularity); None = unquantized or dynamic
 CACHE_CONFIGS: tuple[tuple[str, str | None], ...] = (
-    ("bfloat16", None), ("float16", None), ("float32", None),
-    ("fp8_e4m3", "tensor"), ("fp8_e4m3", "head"), ("fp8_e4m3", "channel"),
-    ("fp8_e5m2", "head"), ("fp8_e5m2", "channel"),
-    ("int8", "tensor"), ("int8", "head"), ("int8", "channel"),
-    ("fp8_per_token_head", None), ("int8_per_token_head", None),
+    ("bfloat16", None),
+    ("float16", None),
+    ("float32", None),
+    ("fp8_e4m3", "tensor"),
+    ("fp8_e4m3", "head"),
+    ("fp8_e4m3", "channel"),
+    ("fp8_e5m2", "head"),
+    ("fp8_e5m2", "channel"),
+    ("int8", "tensor"),
+    ("int8", "head"),
+    ("int8", "channel"),
+    ("fp8_per_token_head", None),
+    ("int8_per_token_head", None),
 )
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -80,8 +88,17 @@ def _write(name: str, granularity: str | None, rotate: bool, d: int, hkv: int, i
     triton_write_kv_cache(key, key, cache, slots, dt, k_scale, v_scale, scale_cache, rotate=rotate)
 
 
-def _attend(name: str, granularity: str | None, rotate: bool, d: int, hkv: int, group: int,
-            phase: str, window: int | None, i: int) -> None:
+def _attend(
+    name: str,
+    granularity: str | None,
+    rotate: bool,
+    d: int,
+    hkv: int,
+    group: int,
+    phase: str,
+    window: int | None,
+    i: int,
+) -> None:
     dt = resolve_cache_dtype(name)
     seq_lens, q_lens = PHASES[phase]
     k_scale, v_scale = _scales(name, granularity, hkv, d)
@@ -91,9 +108,20 @@ def _attend(name: str, granularity: str | None, rotate: bool, d: int, hkv: int, 
     scale_cache = torch.zeros(4, 2, bs, hkv) if dt.dynamic else None
     query = torch.zeros(sum(q_lens), hkv * group, d, dtype=_model_dtype(name, i))
     qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
-    triton_paged_attention(query, cache, torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32),
-                           torch.tensor(seq_lens, dtype=torch.int32), qsl, dt, k_scale, v_scale, scale_cache,
-                           d ** -0.5, window, rotate=rotate)
+    triton_paged_attention(
+        query,
+        cache,
+        torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        qsl,
+        dt,
+        k_scale,
+        v_scale,
+        scale_cache,
+        d**-0.5,
+        window,
+        rotate=rotate,
+    )
 
 
 def drive(arch: int) -> list[Launch]:
@@ -105,7 +133,8 @@ def drive(arch: int) -> list[Launch]:
     """
     with capture(arch) as launches:
         for i, ((c, (name, granularity)), (r, rotate), (h, d)) in enumerate(
-                itertools.product(enumerate(CACHE_CONFIGS), enumerate((False, True)), enumerate(HEAD_DIMS))):
+            itertools.product(enumerate(CACHE_CONFIGS), enumerate((False, True)), enumerate(HEAD_DIMS))
+        ):
             _write(name, granularity, rotate, d, KV_HEADS[i % len(KV_HEADS)], i)
             phase = list(PHASES)[(c + r + h) % len(PHASES)]
             group = GROUPS[i % len(GROUPS)]

@@ -64,8 +64,12 @@ def run_kernel_tests(dry_run: bool, timeout_s: float) -> list[dict]:
             # TimeoutExpired carries bytes even with text=True
             rc, text = "timeout", _text(e.stdout) + _text(e.stderr)
             text = text.decode() if isinstance(text, bytes) else text
-        return {"file": name, "returncode": rc, "seconds": round(time.perf_counter() - t0, 1),
-                "tail": text.strip().splitlines()[-12:]}
+        return {
+            "file": name,
+            "returncode": rc,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "tail": text.strip().splitlines()[-12:],
+        }
 
     with ThreadPoolExecutor(len(files)) as pool:
         return list(pool.map(one, files))
@@ -105,10 +109,18 @@ def _decode_inputs(name: str, context: int, batch: int, shape, device: str, seed
         cache.view(dt.storage).copy_(torch.randn(cache.shape, device=device).to(dt.storage))
     tables = (torch.randperm(blocks, generator=g) + 1).view(batch, -1).to(device=device, dtype=torch.int32)
     scales = torch.full((hkv,), 0.02, device=device) if dt.quantized else None
-    return dict(query=torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16), kv_cache=cache,
-                block_tables=tables, seq_lens=torch.full((batch,), context, device=device, dtype=torch.int32),
-                query_start_loc=torch.arange(batch + 1, device=device, dtype=torch.int32), dt=dt,
-                k_scale=scales, v_scale=scales, scale_cache=None, sm_scale=d ** -0.5)
+    return dict(
+        query=torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16),
+        kv_cache=cache,
+        block_tables=tables,
+        seq_lens=torch.full((batch,), context, device=device, dtype=torch.int32),
+        query_start_loc=torch.arange(batch + 1, device=device, dtype=torch.int32),
+        dt=dt,
+        k_scale=scales,
+        v_scale=scales,
+        scale_cache=None,
+        sm_scale=d**-0.5,
+    )
 
 
 def check_split(context: int, device: str, shape) -> dict:
@@ -124,8 +136,12 @@ def check_split(context: int, device: str, shape) -> dict:
         whole = triton_paged_attention(**args, num_sms=1).float()
         err = ((split - whole).abs().max() / whole.abs().max()).item()
         # bf16 outputs: one rounding step of bf16 is 2**-8 of the value, so 1e-2 allows a few
-        out[name] = {"programs": launches[0].programs, "grid": launches[0].grid, "max_rel_err": err,
-                     "ok": err < 1e-2 and bool(torch.isfinite(split).all())}
+        out[name] = {
+            "programs": launches[0].programs,
+            "grid": launches[0].grid,
+            "max_rel_err": err,
+            "ok": err < 1e-2 and bool(torch.isfinite(split).all()),
+        }
     return out
 
 
@@ -162,43 +178,69 @@ def bench_decode(contexts, batches, device: str, iters: int, shape, gpu, emit) -
                 emit(row)
             try:
                 q = torch.randn(batch, shape.num_q_heads, 1, shape.head_dim, device=device, dtype=torch.bfloat16)
-                kv = torch.randn(2, batch, shape.num_kv_heads, context, shape.head_dim, device=device,
-                                 dtype=torch.bfloat16)
-                sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, kv[0], kv[1],
-                                         enable_gqa=True)
-                row = {"cache": "sdpa_contiguous_bf16", "context": context, "batch": batch,
-                       "kernel_ms": _time_ms(sdpa, device, iters)}
+                kv = torch.randn(
+                    2, batch, shape.num_kv_heads, context, shape.head_dim, device=device, dtype=torch.bfloat16
+                )
+                sdpa = functools.partial(
+                    torch.nn.functional.scaled_dot_product_attention, q, kv[0], kv[1], enable_gqa=True
+                )
+                row = {
+                    "cache": "sdpa_contiguous_bf16",
+                    "context": context,
+                    "batch": batch,
+                    "kernel_ms": _time_ms(sdpa, device, iters),
+                }
                 row["fraction_of_hbm"] = (kv.numel() * 2 / gpu.hbm_bytes_per_s * 1e3) / row["kernel_ms"]
                 del sdpa, q, kv
             except Exception as e:  # noqa: BLE001
-                row = {"cache": "sdpa_contiguous_bf16", "context": context, "batch": batch,
-                       "error": f"{type(e).__name__}: {e}"}
+                row = {
+                    "cache": "sdpa_contiguous_bf16",
+                    "context": context,
+                    "batch": batch,
+                    "error": f"{type(e).__name__}: {e}",
+                }
             emit(row)
             if device == "cuda":
                 torch.cuda.empty_cache()
 
 
 def summary_markdown(report: dict) -> str:
-    lines = [f"# gpu_check {'(dry run, interpreter: numbers mean nothing)' if report['dry_run'] else ''}", "",
-             f"{report['device']}, torch {report['torch']}, triton {report['triton']}, {report['date']}", "",
-             "## Kernel tests, compiled", ""]
+    lines = [
+        f"# gpu_check {'(dry run, interpreter: numbers mean nothing)' if report['dry_run'] else ''}",
+        "",
+        f"{report['device']}, torch {report['torch']}, triton {report['triton']}, {report['date']}",
+        "",
+        "## Kernel tests, compiled",
+        "",
+    ]
     for t in report.get("kernel_tests", []):
         lines.append(f"- `{t['file']}`: return code {t['returncode']} in {t['seconds']} s — {(t['tail'] or [''])[-1]}")
-    lines += ["", "## Split-KV at 32k (batch 1, 8 kv heads) vs one segment", "",
-              "```", json.dumps(report.get("split_check"), indent=1), "```", "",
-              "## Decode attention", "",
-              "| cache | context | batch | segments | programs | kernel ms | call ms | roofline ms | "
-              "fraction of HBM |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "## Split-KV at 32k (batch 1, 8 kv heads) vs one segment",
+        "",
+        "```",
+        json.dumps(report.get("split_check"), indent=1),
+        "```",
+        "",
+        "## Decode attention",
+        "",
+        "| cache | context | batch | segments | programs | kernel ms | call ms | roofline ms | fraction of HBM |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in report.get("decode", []):
         if "error" in r:
             lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | error: {r['error'][:80]} | | | | | |")
             continue
+
         def f(k: str, fmt: str = ".4f", r: dict = r) -> str:
             return format(r[k], fmt) if k in r else ""
 
-        lines.append(f"| {r['cache']} | {r['context']} | {r['batch']} | {r.get('segments', '')} | "
-                     f"{r.get('programs', '')} | {f('kernel_ms')} | {f('call_ms')} | {f('roofline_ms')} | "
-                     f"{f('fraction_of_hbm', '.2f')} |")
+        lines.append(
+            f"| {r['cache']} | {r['context']} | {r['batch']} | {r.get('segments', '')} | "
+            f"{r.get('programs', '')} | {f('kernel_ms')} | {f('call_ms')} | {f('roofline_ms')} | "
+            f"{f('fraction_of_hbm', '.2f')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -222,9 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         shape, test_timeout = LLAMA3_8B, 270
     import triton
 
-    report = {"device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-              "torch": torch.__version__, "triton": triton.__version__, "dry_run": args.dry_run,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": vars(shape), "roofline_gpu": vars(H200)}
+    report = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dry_run": args.dry_run,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "shape": vars(shape),
+        "roofline_gpu": vars(H200),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "gpu_check_dry_run" if args.dry_run else "gpu_check"

@@ -27,8 +27,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["Launch", "launch", "capture", "emulate_arch", "target_arch", "fp8_native", "device_num_sms", "runs_on_gpu",
-           "unused_pointer"]
+__all__ = [
+    "Launch",
+    "launch",
+    "capture",
+    "emulate_arch",
+    "target_arch",
+    "fp8_native",
+    "device_num_sms",
+    "runs_on_gpu",
+    "unused_pointer",
+]
 
 _CAPTURE: contextvars.ContextVar[tuple[list, bool] | None] = contextvars.ContextVar("qkv_capture", default=None)
 _ARCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("qkv_arch", default=None)

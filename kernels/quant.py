@@ -93,8 +93,16 @@ _DTYPES: dict[str, CacheDtype] = {
 }
 _ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 
-CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
-                     "fp8_per_token_head", "int8_per_token_head")
+CACHE_DTYPE_NAMES = (
+    "auto",
+    "bfloat16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8",
+    "fp8_per_token_head",
+    "int8_per_token_head",
+)
 
 
 def resolve_cache_dtype(name: str, model_dtype: torch.dtype = torch.bfloat16) -> CacheDtype:
@@ -103,8 +111,7 @@ def resolve_cache_dtype(name: str, model_dtype: torch.dtype = torch.bfloat16) ->
     if key == "auto":
         key = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[model_dtype]
     if key not in _DTYPES:
-        raise ValueError(
-            f"unknown kv-cache dtype {name!r}; choose one of: {', '.join(CACHE_DTYPE_NAMES)}")
+        raise ValueError(f"unknown kv-cache dtype {name!r}; choose one of: {', '.join(CACHE_DTYPE_NAMES)}")
     return _DTYPES[key]
 
 
@@ -119,8 +126,10 @@ def check_rotation(rotation: str | None, head_dim: int) -> str | None:
     if rotation != "hadamard":
         raise ValueError(f"unknown kv-cache rotation {rotation!r}; choose one of: {', '.join(ROTATIONS)}")
     if head_dim < 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"--kv-rotation hadamard needs a power-of-two head_dim, but this model's head_dim "
-                         f"is {head_dim}; use --kv-rotation none")
+        raise ValueError(
+            f"--kv-rotation hadamard needs a power-of-two head_dim, but this model's head_dim "
+            f"is {head_dim}; use --kv-rotation none"
+        )
     return rotation
 
 
@@ -172,8 +181,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dt: CacheDtype) -> torch.Tens
     return y.clamp(-dt.qmax, dt.qmax).to(dt.storage)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dt: CacheDtype,
-               out_dtype: torch.dtype) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dt: CacheDtype, out_dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`quantize`, computed in fp32 and cast to ``out_dtype``."""
     if not dt.quantized:
         return q.to(out_dtype)

@@ -36,10 +36,17 @@ from .quant import CacheDtype, dequantize, dynamic_scales, hadamard_rotate, quan
 __all__ = ["write_kv_cache", "gather_kv", "paged_attention", "context_mask"]
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, dt: CacheDtype,
-                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                   scale_cache: torch.Tensor | None = None, rotate: bool = False) -> None:
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    dt: CacheDtype,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    scale_cache: torch.Tensor | None = None,
+    rotate: bool = False,
+) -> None:
     """Quantize ``key``/``value`` ([T, Hkv, D]) and scatter them into ``kv_cache`` at ``slot_mapping``."""
     block_size = kv_cache.shape[2]
     if rotate:
@@ -60,10 +67,17 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     kv_cache[blocks, 1, offsets] = quantize(value, v_scale, dt)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, dt: CacheDtype,
-              k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-              scale_cache: torch.Tensor | None, out_dtype: torch.dtype,
-              start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    length: int,
+    dt: CacheDtype,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale_cache: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Read positions ``[start, length)`` of one sequence back as ``[L, Hkv, D]`` K and V.
 
     Only slots in ``[start, length)`` are returned: a reused block may hold stale
@@ -75,19 +89,20 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int, dt
     ids = block_table[first:last].long()
     # Whole blocks are copied with one index_select, then trimmed to [start, length).
     lo, hi = start - first * block_size, length - first * block_size
-    blocks = kv_cache.index_select(0, ids)                      # [n, 2, bs, H, D]
+    blocks = kv_cache.index_select(0, ids)  # [n, 2, bs, H, D]
     k = blocks[:, 0].reshape(-1, *kv_cache.shape[3:])[lo:hi]
     v = blocks[:, 1].reshape(-1, *kv_cache.shape[3:])[lo:hi]
     if dt.dynamic:
         assert scale_cache is not None
-        sc = scale_cache.index_select(0, ids)                   # [n, 2, bs, H]
+        sc = scale_cache.index_select(0, ids)  # [n, 2, bs, H]
         k_scale = sc[:, 0].reshape(-1, sc.shape[-1])[lo:hi]
         v_scale = sc[:, 1].reshape(-1, sc.shape[-1])[lo:hi]
     return dequantize(k, k_scale, dt, out_dtype), dequantize(v, v_scale, dt, out_dtype)
 
 
-def context_mask(q_len: int, start: int, seq_len: int, sliding_window: int | None,
-                 device: torch.device | None = None) -> torch.Tensor:
+def context_mask(
+    q_len: int, start: int, seq_len: int, sliding_window: int | None, device: torch.device | None = None
+) -> torch.Tensor:
     """Boolean ``[q_len, seq_len - start]`` mask: query i sits at position ``seq_len - q_len + i``.
 
     A key at position ``j`` is visible when ``j <= pos`` and, for sliding-window
@@ -101,11 +116,20 @@ def context_mask(q_len: int, start: int, seq_len: int, sliding_window: int | Non
     return mask
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, dt: CacheDtype,
-                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                    scale_cache: torch.Tensor | None, sm_scale: float,
-                    sliding_window: int | None = None, rotate: bool = False) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    dt: CacheDtype,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale_cache: torch.Tensor | None,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    rotate: bool = False,
+) -> torch.Tensor:
     """Varlen paged attention over ``query`` ([T, Hq, D]); returns ``[T, Hq, D]`` in query's dtype.
 
     Sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``
@@ -114,8 +138,19 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     mask is needed, as transformers does.
     """
     if rotate:  # (qH).(kH) = q.k; the output P(VH) is rotated back below
-        out = paged_attention(hadamard_rotate(query).to(query.dtype), kv_cache, block_tables, seq_lens,
-                              query_start_loc, dt, k_scale, v_scale, scale_cache, sm_scale, sliding_window)
+        out = paged_attention(
+            hadamard_rotate(query).to(query.dtype),
+            kv_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            dt,
+            k_scale,
+            v_scale,
+            scale_cache,
+            sm_scale,
+            sliding_window,
+        )
         return hadamard_rotate(out).to(query.dtype)
     out = torch.empty_like(query)
     num_q_heads, num_kv_heads = query.shape[1], kv_cache.shape[3]
@@ -130,8 +165,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         start = 0
         if sliding_window is not None:
             start = max(0, seq_len - q_len - sliding_window + 1)
-        k, v = gather_kv(kv_cache, block_tables[s], seq_len, dt, k_scale, v_scale, scale_cache,
-                         query.dtype, start=start)
+        k, v = gather_kv(
+            kv_cache, block_tables[s], seq_len, dt, k_scale, v_scale, scale_cache, query.dtype, start=start
+        )
         q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
@@ -143,13 +179,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         elif q_len > 1 or (sliding_window is not None and kv_len > sliding_window):
             mask = context_mask(q_len, start, seq_len, sliding_window, query.device)
         if mask is None and groups > 1:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale, enable_gqa=True)
         else:
             if groups > 1:
                 k = k.repeat_interleave(groups, dim=1)
                 v = v.repeat_interleave(groups, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                               scale=sm_scale)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale)
         out[q0:q1] = o[0].transpose(0, 1)
     return out

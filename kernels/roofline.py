@@ -83,12 +83,19 @@ def rows(gpu: GPU = H200, shape: Shape = LLAMA3_8B) -> list[dict]:
                 segments = num_kv_segments(batch, shape.num_kv_heads, context, gpu.num_sms)
                 b = decode_bytes(cache, context, batch, shape, segments)
                 programs = batch * shape.num_kv_heads * segments
-                out.append({
-                    "cache": cache, "context": context, "batch": batch, "kv_bytes": b["kv"],
-                    "total_bytes": b["total"], "roofline_us": b["total"] / gpu.hbm_bytes_per_s * 1e6,
-                    "segments": segments, "programs": programs,
-                    "merge_programs": batch * shape.num_kv_heads if segments > 1 else 0,
-                })
+                out.append(
+                    {
+                        "cache": cache,
+                        "context": context,
+                        "batch": batch,
+                        "kv_bytes": b["kv"],
+                        "total_bytes": b["total"],
+                        "roofline_us": b["total"] / gpu.hbm_bytes_per_s * 1e6,
+                        "segments": segments,
+                        "programs": programs,
+                        "merge_programs": batch * shape.num_kv_heads if segments > 1 else 0,
+                    }
+                )
     return out
 
 
@@ -115,7 +122,8 @@ def markdown(gpu: GPU = H200, shape: Shape = LLAMA3_8B) -> str:
         lines.append(
             f"| {r['cache']} | {r['context']:,} | {r['batch']} | {r['kv_bytes'] / 1e6:,.1f} | "
             f"{r['total_bytes'] / 1e6:,.1f} | {r['roofline_us']:,.1f} | {r['segments']} | {r['programs']:,} | "
-            f"{r['programs'] / gpu.num_sms:.2f} | {r['roofline_us'] * shape.layers / 1e3:,.2f} |")
+            f"{r['programs'] / gpu.num_sms:.2f} | {r['roofline_us'] * shape.layers / 1e3:,.2f} |"
+        )
     lines += [
         "",
         "Reading it: an 8-bit cache halves the bytes and so the bandwidth-bound time at every point, "

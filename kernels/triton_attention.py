@@ -57,21 +57,56 @@ __all__ = ["triton_paged_attention"]
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, out_ptr, cache_ptr, scale_cache_ptr, k_scale_ptr, v_scale_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tile_seq_ptr, tile_idx_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    sm_scale, window, num_q_heads, num_segments,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ckv, stride_cs, stride_ch,
-    stride_sb, stride_skv, stride_ss,
+    q_ptr,
+    out_ptr,
+    cache_ptr,
+    scale_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    tile_seq_ptr,
+    tile_idx_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    sm_scale,
+    window,
+    num_q_heads,
+    num_segments,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_skv,
+    stride_ss,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    QUANTIZED: tl.constexpr, DYNAMIC: tl.constexpr, USE_WINDOW: tl.constexpr,
-    MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FP8_NATIVE: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, LOG2_D: tl.constexpr, ROT_NORM: tl.constexpr,
-    SPLIT: tl.constexpr, Q_CHUNK: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    ROTATE: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    ROT_NORM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    Q_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -202,12 +237,22 @@ def _paged_attention_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, dt: CacheDtype,
-                           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                           scale_cache: torch.Tensor | None, sm_scale: float,
-                           sliding_window: int | None = None, rotate: bool = False, *,
-                           num_sms: int | None = None) -> torch.Tensor:
+def triton_paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    dt: CacheDtype,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    scale_cache: torch.Tensor | None,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    rotate: bool = False,
+    *,
+    num_sms: int | None = None,
+) -> torch.Tensor:
     """Varlen paged attention over ``query`` ([T, Hq, D]); returns ``[T, Hq, D]`` in query's dtype.
 
     Static ``k_scale``/``v_scale`` are ``[Hkv]`` (or one element), or ``[Hkv, D]`` per channel.
@@ -228,8 +273,10 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         raise ValueError(f"head_dim must be a power of two >= 16 (64, 128, 256), got {head_dim}")
     num_seqs = seq_lens.numel()
     if query_start_loc.numel() != num_seqs + 1 or block_tables.dim() != 2 or block_tables.shape[0] < num_seqs:
-        raise ValueError(f"need query_start_loc [{num_seqs + 1}] and block_tables [{num_seqs}, max_blocks], "
-                         f"got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"need query_start_loc [{num_seqs + 1}] and block_tables [{num_seqs}, max_blocks], "
+            f"got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}"
+        )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     if kv_cache.stride(-1) != 1:
@@ -253,8 +300,10 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
         channel = k_scale.dim() == 2 or v_scale.dim() == 2
     if channel:
         if tuple(k_scale.shape) != (num_kv_heads, head_dim) or tuple(v_scale.shape) != (num_kv_heads, head_dim):
-            raise ValueError(f"per-channel k_scale/v_scale must both be [num_kv_heads={num_kv_heads}, "
-                             f"head_dim={head_dim}], got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+            raise ValueError(
+                f"per-channel k_scale/v_scale must both be [num_kv_heads={num_kv_heads}, "
+                f"head_dim={head_dim}], got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
+            )
         k_scale = k_scale.to(device=query.device, dtype=torch.float32).contiguous()
         v_scale = v_scale.to(device=query.device, dtype=torch.float32).contiguous()
     elif dt.quantized and not dt.dynamic:
@@ -285,8 +334,9 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
     num_tiles = int(seq_tiles.sum())
     if num_tiles == 0:
         return out
-    tile_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device, dtype=torch.int32),
-                                       seq_tiles, output_size=num_tiles)
+    tile_seq = torch.repeat_interleave(
+        torch.arange(num_seqs, device=device, dtype=torch.int32), seq_tiles, output_size=num_tiles
+    )
     first_tile = torch.cumsum(seq_tiles, 0) - seq_tiles
     tile_idx = (torch.arange(num_tiles, device=device) - first_tile[tile_seq]).to(torch.int32)
 
@@ -319,21 +369,55 @@ def triton_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_ta
             q_arg = (q_arg.float() * k_scale.repeat_interleave(group, 0)).to(query.dtype)
         q_arg = q_arg.contiguous()
     launch(
-        _paged_attention_kernel, (num_tiles, num_kv_heads, segments),
-        q_arg, out, cache_arg, scale_cache, k_scale, v_scale,
-        block_tables, seq_lens, query_start_loc, tile_seq, tile_idx,
-        part_m, part_l, part_acc,
-        float(sm_scale), int(sliding_window or 0), num_q_heads, segments,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        *kv_cache.stride()[:4], *s_strides,
+        _paged_attention_kernel,
+        (num_tiles, num_kv_heads, segments),
+        q_arg,
+        out,
+        cache_arg,
+        scale_cache,
+        k_scale,
+        v_scale,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        tile_seq,
+        tile_idx,
+        part_m,
+        part_l,
+        part_acc,
+        float(sm_scale),
+        int(sliding_window or 0),
+        num_q_heads,
+        segments,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *kv_cache.stride()[:4],
+        *s_strides,
         block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=tiles.block_m, BLOCK_Q=block_q, BLOCK_N=tiles.block_n,
-        QUANTIZED=dt.quantized, DYNAMIC=dt.dynamic, USE_WINDOW=sliding_window is not None,
-        MANT_BITS=mant_bits, MIN_EXP=min_exp, FP8_NATIVE=native,
-        DOT_FP32=dot_fp32, DOT_PRECISION=precision,
-        CHANNEL=channel, ROTATE=rotate, LOG2_D=head_dim.bit_length() - 1, ROT_NORM=float(head_dim) ** -0.5,
-        SPLIT=split, Q_CHUNK=tiles.q_chunk, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=tiles.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=tiles.block_n,
+        QUANTIZED=dt.quantized,
+        DYNAMIC=dt.dynamic,
+        USE_WINDOW=sliding_window is not None,
+        MANT_BITS=mant_bits,
+        MIN_EXP=min_exp,
+        FP8_NATIVE=native,
+        DOT_FP32=dot_fp32,
+        DOT_PRECISION=precision,
+        CHANNEL=channel,
+        ROTATE=rotate,
+        LOG2_D=head_dim.bit_length() - 1,
+        ROT_NORM=float(head_dim) ** -0.5,
+        SPLIT=split,
+        Q_CHUNK=tiles.q_chunk,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         enable_fp_fusion=True,
     )
     if split:

@@ -52,8 +52,17 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _quantize(x, scale, KIND: tl.constexpr, QMAX: tl.constexpr, MANT_BITS: tl.constexpr,
-              MIN_EXP: tl.constexpr, FP8_NATIVE: tl.constexpr, ROUND_BF16: tl.constexpr, out_ty: tl.constexpr):
+def _quantize(
+    x,
+    scale,
+    KIND: tl.constexpr,
+    QMAX: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    out_ty: tl.constexpr,
+):
     """``x`` fp32 [BLOCK_H, BLOCK_D], ``scale`` fp32 [BLOCK_H, BLOCK_D] -> values of ``out_ty``.
 
     One constexpr branch per kind and nothing after it: Triton compiles the code that
@@ -84,15 +93,40 @@ def _quantize(x, scale, KIND: tl.constexpr, QMAX: tl.constexpr, MANT_BITS: tl.co
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, scale_cache_ptr,
-    num_heads, head_dim,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ckv, stride_cs, stride_ch,
-    stride_sb, stride_skv, stride_ss,
-    KIND: tl.constexpr, DYNAMIC: tl.constexpr, QMAX: tl.constexpr,
-    MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, FP8_NATIVE: tl.constexpr, ROUND_BF16: tl.constexpr,
-    ROTATE: tl.constexpr, LOG2_D: tl.constexpr, ROT_NORM: tl.constexpr, CHANNEL: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    scale_cache_ptr,
+    num_heads,
+    head_dim,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_skv,
+    stride_ss,
+    KIND: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    QMAX: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    FP8_NATIVE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    ROTATE: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    ROT_NORM: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -118,10 +152,12 @@ def _write_kv_kernel(
         v_scale = k_scale
     elif DYNAMIC:
         # amax(|x|) / qmax, floored; stored beside the block
-        k_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(k), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)),
-                             DYNAMIC_FLOOR)
-        v_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)),
-                             DYNAMIC_FLOOR)
+        k_scale = tl.maximum(
+            tl.math.div_rn(tl.max(tl.abs(k), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)), DYNAMIC_FLOOR
+        )
+        v_scale = tl.maximum(
+            tl.math.div_rn(tl.max(tl.abs(v), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)), DYNAMIC_FLOOR
+        )
         s_base = scale_cache_ptr + block * stride_sb + offset * stride_ss + h
         tl.store(s_base, k_scale, mask=h_ok)
         tl.store(s_base + stride_skv, v_scale, mask=h_ok)
@@ -142,30 +178,41 @@ def _write_kv_kernel(
     tl.store(c_base + stride_ckv, vq, mask=mask)
 
 
-def _check_scale(name: str, scale: torch.Tensor | None, num_heads: int, device,
-                 head_dim: int | None = None) -> torch.Tensor:
+def _check_scale(
+    name: str, scale: torch.Tensor | None, num_heads: int, device, head_dim: int | None = None
+) -> torch.Tensor:
     """``[1]``/``[H]`` -> contiguous fp32 ``[H]``; with ``head_dim`` (per-channel) exactly ``[H, D]``."""
     if scale is None:
         raise ValueError(f"{name} is required for a statically scaled quantized cache")
     scale = torch.as_tensor(scale, device=device).to(torch.float32)
     if head_dim is not None:
         if tuple(scale.shape) != (num_heads, head_dim):
-            raise ValueError(f"per-channel {name} must have shape [num_kv_heads={num_heads}, "
-                             f"head_dim={head_dim}], got {tuple(scale.shape)}")
+            raise ValueError(
+                f"per-channel {name} must have shape [num_kv_heads={num_heads}, "
+                f"head_dim={head_dim}], got {tuple(scale.shape)}"
+            )
         return scale.contiguous()
     scale = scale.reshape(-1)
     if scale.numel() == 1:
         scale = scale.expand(num_heads)
     if scale.numel() != num_heads:
-        raise ValueError(f"{name} must have shape [num_kv_heads={num_heads}] (or one element), "
-                         f"got {scale.numel()} elements")
+        raise ValueError(
+            f"{name} must have shape [num_kv_heads={num_heads}] (or one element), got {scale.numel()} elements"
+        )
     return scale.contiguous()
 
 
-def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor, dt: CacheDtype,
-                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          scale_cache: torch.Tensor | None = None, rotate: bool = False) -> None:
+def triton_write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    dt: CacheDtype,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    scale_cache: torch.Tensor | None = None,
+    rotate: bool = False,
+) -> None:
     """Quantize ``key``/``value`` ([T, Hkv, D]) and scatter them into ``kv_cache`` at ``slot_mapping``.
 
     A 2-D ``[Hkv, D]`` static ``k_scale``/``v_scale`` selects the per-channel path.
@@ -174,8 +221,9 @@ def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
         raise ValueError(f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and {tuple(value.shape)}")
     num_tokens, num_heads, head_dim = key.shape
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or tuple(kv_cache.shape[3:]) != (num_heads, head_dim):
-        raise ValueError(f"kv_cache must be [num_blocks, 2, block_size, {num_heads}, {head_dim}], "
-                         f"got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be [num_blocks, 2, block_size, {num_heads}, {head_dim}], got {tuple(kv_cache.shape)}"
+        )
     if kv_cache.dtype != dt.storage:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} does not match {dt.name} storage {dt.storage}")
     if kv_cache.stride(-1) != 1:
@@ -200,8 +248,9 @@ def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
         if scale_cache is None:
             raise ValueError(f"{dt.name} needs a scale_cache of shape {expected}")
         if tuple(scale_cache.shape) != expected or scale_cache.dtype != torch.float32:
-            raise ValueError(f"scale_cache must be float32 {expected}, got {scale_cache.dtype} "
-                             f"{tuple(scale_cache.shape)}")
+            raise ValueError(
+                f"scale_cache must be float32 {expected}, got {scale_cache.dtype} {tuple(scale_cache.shape)}"
+            )
         if scale_cache.stride(-1) != 1 or scale_cache.device != kv_cache.device:
             raise ValueError("scale_cache must be on kv_cache's device and contiguous in its last dimension")
         k_scale = v_scale = _unused(kv_cache.device)
@@ -223,15 +272,36 @@ def triton_write_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torc
     native = fp8_native(target_arch(kv_cache.device))
     cache_arg = kv_cache if native or dt.kind != "float" else kv_cache.view(torch.uint8)
     launch(
-        _write_kv_kernel, (num_tokens,),
-        key, value, cache_arg, slot_mapping, k_scale, v_scale, scale_cache,
-        num_heads, head_dim,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *kv_cache.stride()[:4], *s_strides,
-        KIND=kind, DYNAMIC=dt.dynamic, QMAX=float(dt.qmax),
-        MANT_BITS=mant_bits, MIN_EXP=min_exp, FP8_NATIVE=native,
+        _write_kv_kernel,
+        (num_tokens,),
+        key,
+        value,
+        cache_arg,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        scale_cache,
+        num_heads,
+        head_dim,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        *kv_cache.stride()[:4],
+        *s_strides,
+        KIND=kind,
+        DYNAMIC=dt.dynamic,
+        QMAX=float(dt.qmax),
+        MANT_BITS=mant_bits,
+        MIN_EXP=min_exp,
+        FP8_NATIVE=native,
         ROUND_BF16=dt.storage == torch.bfloat16,
-        ROTATE=rotate, LOG2_D=head_dim.bit_length() - 1, ROT_NORM=float(head_dim) ** -0.5, CHANNEL=channel,
-        BLOCK_SIZE=block_size, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        ROTATE=rotate,
+        LOG2_D=head_dim.bit_length() - 1,
+        ROT_NORM=float(head_dim) ** -0.5,
+        CHANNEL=channel,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
         enable_fp_fusion=False,  # pinned: the bytes must not depend on Triton's default (it changes in 3.10)
     )

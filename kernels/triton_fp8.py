@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FP8_FORMATS", "fp8_format", "round_to_fp8_grid", "fp8_encode_bits", "fp8_decode_bits",
-           "rint", "RINT_MAGIC"]
+__all__ = ["FP8_FORMATS", "fp8_format", "round_to_fp8_grid", "fp8_encode_bits", "fp8_decode_bits", "rint", "RINT_MAGIC"]
 
 # (MANT_BITS, MIN_EXP) of each fp8 storage dtype
 FP8_FORMATS: dict[torch.dtype, tuple[int, int]] = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}

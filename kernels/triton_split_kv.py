@@ -47,10 +47,22 @@ def num_kv_segments(num_seqs: int, num_kv_heads: int, context: int, num_sms: int
 
 @triton.jit
 def _merge_segments_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, v_scale_ptr,
-    num_segments, num_q_heads, stride_ot, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    CHANNEL: tl.constexpr, ROTATE: tl.constexpr, LOG2_D: tl.constexpr, ROT_NORM: tl.constexpr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    v_scale_ptr,
+    num_segments,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    ROTATE: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    ROT_NORM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -82,24 +94,46 @@ def _merge_segments_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
-def partial_buffers(num_tokens: int, num_q_heads: int, num_segments: int, head_dim: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def partial_buffers(
+    num_tokens: int, num_q_heads: int, num_segments: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 ``m``, ``l`` ``[T, Hq, S]`` and ``acc`` ``[T, Hq, S, D]`` for the segments' partial results."""
     m = torch.empty(num_tokens, num_q_heads, num_segments, device=device, dtype=torch.float32)
     return m, torch.empty_like(m), torch.empty(*m.shape, head_dim, device=device, dtype=torch.float32)
 
 
-def merge_segments(part_m: torch.Tensor, part_l: torch.Tensor, part_acc: torch.Tensor, out: torch.Tensor,
-                   v_scale: torch.Tensor, num_kv_heads: int, channel: bool, rotate: bool) -> None:
+def merge_segments(
+    part_m: torch.Tensor,
+    part_l: torch.Tensor,
+    part_acc: torch.Tensor,
+    out: torch.Tensor,
+    v_scale: torch.Tensor,
+    num_kv_heads: int,
+    channel: bool,
+    rotate: bool,
+) -> None:
     """Combine the segments' partial results into ``out`` ``[T, Hq, D]`` (grid: tokens x kv heads)."""
     num_tokens, num_q_heads, num_segments = part_m.shape
     head_dim = out.shape[-1]
     group = num_q_heads // num_kv_heads
     launch(
-        _merge_segments_kernel, (num_tokens, num_kv_heads),
-        part_m, part_l, part_acc, out, v_scale,
-        num_segments, num_q_heads, out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-        CHANNEL=channel, ROTATE=rotate, LOG2_D=head_dim.bit_length() - 1, ROT_NORM=float(head_dim) ** -0.5,
+        _merge_segments_kernel,
+        (num_tokens, num_kv_heads),
+        part_m,
+        part_l,
+        part_acc,
+        out,
+        v_scale,
+        num_segments,
+        num_q_heads,
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        BLOCK_G=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        CHANNEL=channel,
+        ROTATE=rotate,
+        LOG2_D=head_dim.bit_length() - 1,
+        ROT_NORM=float(head_dim) ** -0.5,
         enable_fp_fusion=True,  # pinned: Triton 3.10 changes the default
     )

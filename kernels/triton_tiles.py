@@ -17,16 +17,15 @@ __all__ = ["Tiles", "attention_tiles"]
 class Tiles(NamedTuple):
     """Tile shape and launch options of one attention specialization."""
 
-    block_m: int    # rows per tile: (query token, query head of the group) pairs
-    block_q: int    # query tokens per tile
-    block_n: int    # keys per K/V tile
+    block_m: int  # rows per tile: (query token, query head of the group) pairs
+    block_q: int  # query tokens per tile
+    block_n: int  # keys per K/V tile
     num_warps: int
     num_stages: int
-    q_chunk: int    # head_dim, or the chunk the QK dot reads the query in (fp32 at head_dim 256)
+    q_chunk: int  # head_dim, or the chunk the QK dot reads the query in (fp32 at head_dim 256)
 
 
-def attention_tiles(group: int, max_q_len: int, head_dim: int, q_bytes: int, rotate: bool,
-                    arch: int | None) -> Tiles:
+def attention_tiles(group: int, max_q_len: int, head_dim: int, q_bytes: int, rotate: bool, arch: int | None) -> Tiles:
     """Tiles chosen so that no specialization spills registers on sm_80..sm_100.
 
     The compile check (``kernels/results/compile.json``) proves it for every launch the

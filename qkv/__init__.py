@@ -13,14 +13,18 @@ __all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineConfig", "__version__"]
 def __getattr__(name: str):
     if name == "LLM":
         from .llm import LLM
+
         return LLM
     if name == "SamplingParams":
         from .sampling import SamplingParams
+
         return SamplingParams
     if name == "LLMEngine":
         from .engine import LLMEngine
+
         return LLMEngine
     if name == "EngineConfig":
         from .config import EngineConfig
+
         return EngineConfig
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")

@@ -48,10 +48,10 @@ class StepContext:
 
     cache: KVCache
     backend: AttentionBackend
-    slot_mapping: torch.Tensor       # [T] int64, -1 = do not write
-    block_tables: torch.Tensor       # [S, max_blocks] int32, padded with the null block
-    seq_lens: torch.Tensor           # [S] int32, context length after this step
-    query_start_loc: torch.Tensor    # [S + 1] int32
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not write
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with the null block
+    seq_lens: torch.Tensor  # [S] int32, context length after this step
+    query_start_loc: torch.Tensor  # [S + 1] int32
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
 
@@ -72,6 +72,7 @@ class _TritonBackend:
         # triton is an optional extra (qkv[triton]): imported only when this backend is chosen
         from .kernels.triton_attention import triton_paged_attention
         from .kernels.triton_cache_write import triton_write_kv_cache
+
         self.name = "triton"
         self.write_kv_cache = triton_write_kv_cache
         self.paged_attention = triton_paged_attention
@@ -99,8 +100,10 @@ def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
         try:
             return _CpuBackend()
         except KernelBuildError as e:
-            _warn_once(f"qkv: the fused CPU attention kernels could not be built ({str(e).splitlines()[0]}); "
-                       "falling back to the torch reference path (--attention-backend torch), which is slower")
+            _warn_once(
+                f"qkv: the fused CPU attention kernels could not be built ({str(e).splitlines()[0]}); "
+                "falling back to the torch reference path (--attention-backend torch), which is slower"
+            )
             return _TorchBackend()
     if name == "torch":
         return _TorchBackend()
@@ -122,10 +125,16 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None,
-                            scaling: float | None = None, dropout: float = 0.0,
-                            **kwargs) -> tuple[torch.Tensor, None]:
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Write this step's K/V into the paged cache, then attend over it (write-then-attend)."""
     ctx: StepContext | None = kwargs.get("qkv_ctx")
     if ctx is None:
@@ -140,13 +149,33 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if ctx.observer is not None:
         ctx.observer(module.layer_idx, k, v)
     backend = ctx.backend
-    backend.write_kv_cache(k, v, layer.kv, ctx.slot_mapping, layer.spec.dtype,
-                           layer.k_scale, layer.v_scale, layer.scale_cache, rotate=layer.spec.rotation is not None)
+    backend.write_kv_cache(
+        k,
+        v,
+        layer.kv,
+        ctx.slot_mapping,
+        layer.spec.dtype,
+        layer.k_scale,
+        layer.v_scale,
+        layer.scale_cache,
+        rotate=layer.spec.rotation is not None,
+    )
     if scaling is None:
-        scaling = module.head_dim ** -0.5 if hasattr(module, "head_dim") else q.shape[-1] ** -0.5
-    out = backend.paged_attention(q, layer.kv, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                  layer.spec.dtype, layer.k_scale, layer.v_scale, layer.scale_cache,
-                                  scaling, layer.spec.sliding_window, rotate=layer.spec.rotation is not None)
+        scaling = module.head_dim**-0.5 if hasattr(module, "head_dim") else q.shape[-1] ** -0.5
+    out = backend.paged_attention(
+        q,
+        layer.kv,
+        ctx.block_tables,
+        ctx.seq_lens,
+        ctx.query_start_loc,
+        layer.spec.dtype,
+        layer.k_scale,
+        layer.v_scale,
+        layer.scale_cache,
+        scaling,
+        layer.spec.sliding_window,
+        rotate=layer.spec.rotation is not None,
+    )
     return out.unsqueeze(0), None
 
 

@@ -28,8 +28,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 BlockHash = bytes
 
-__all__ = ["KVBlock", "FreeBlockQueue", "BlockPool", "hash_block_tokens", "NULL_BLOCK_ID", "HASH_ALGOS",
-           "DEFAULT_HASH_ALGO"]
+__all__ = [
+    "KVBlock",
+    "FreeBlockQueue",
+    "BlockPool",
+    "hash_block_tokens",
+    "NULL_BLOCK_ID",
+    "HASH_ALGOS",
+    "DEFAULT_HASH_ALGO",
+]
 
 NULL_BLOCK_ID = 0
 
@@ -41,8 +48,9 @@ DEFAULT_HASH_ALGO = "sha256"
 _ROOT = bytes(32)  # the "parent" of a sequence's first block
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b"",
-                      algo: str = DEFAULT_HASH_ALGO) -> BlockHash:
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b"", algo: str = DEFAULT_HASH_ALGO
+) -> BlockHash:
     """SHA-256 of one full block, chained on its parent's hash (a 32-byte digest).
 
     Chaining makes a block's identity depend on the whole prefix, so two

@@ -25,12 +25,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_kwargs(args))
     engine = llm.llm_engine
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     if args.verbose:
         log = logging.getLogger("qkv").info
-        log(f"kv_bytes_per_token: {engine.kv_bytes_per_token} total; per layer: "
-            + ", ".join(f"{i}:{b}" for i, b in enumerate(engine.kv_bytes_per_token_by_layer())))
+        log(
+            f"kv_bytes_per_token: {engine.kv_bytes_per_token} total; per layer: "
+            + ", ".join(f"{i}:{b}" for i, b in enumerate(engine.kv_bytes_per_token_by_layer()))
+        )
         stat_logger = StatsLogger(args.log_interval, log)
     ids = [engine.add_request(p, params) for p in args.prompt]
     done = {}
@@ -48,10 +57,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             logging.getLogger("qkv").info(
                 f"request {o.request_id}: prompt {len(o.prompt_token_ids)} tokens "
                 f"({o.num_cached_tokens} cached), TTFT {1000 * o.metrics.ttft:.1f} ms"
-                + (f", TPOT {1000 * tpot:.1f} ms" if tpot is not None else ""))
+                + (f", TPOT {1000 * tpot:.1f} ms" if tpot is not None else "")
+            )
     if args.json:
-        print(json.dumps([{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
-                           "finish_reason": o.outputs[0].finish_reason} for o in outs], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "prompt": o.prompt,
+                        "text": o.outputs[0].text,
+                        "token_ids": o.outputs[0].token_ids,
+                        "finish_reason": o.outputs[0].finish_reason,
+                    }
+                    for o in outs
+                ],
+                indent=2,
+            )
+        )
     else:
         for o in outs:
             print(f"--- prompt: {o.prompt!r}\n{o.outputs[0].text}")
@@ -60,6 +82,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .eval.bench import run_bench  # qkv.eval may be absent (see _extra_commands)
+
     run_bench(args, engine_kwargs(args))
     return 0
 
@@ -87,21 +110,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-interval", type=float, default=10.0)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser("bench", help="speed of every KV-cache dtype side by side: throughput at a fixed KV "
-                                     "budget, latency vs transformers, prefix-hit TTFT")
+    p = sub.add_parser(
+        "bench",
+        help="speed of every KV-cache dtype side by side: throughput at a fixed KV "
+        "budget, latency vs transformers, prefix-hit TTFT",
+    )
     add_engine_args(p)
     p.set_defaults(kv_cache_dtype="bfloat16,fp8")
     p.add_argument("--mode", choices=["throughput", "latency", "prefix"], default="latency")
     p.add_argument("--num-requests", type=int, default=48, help="throughput: requests submitted at once")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16],
-                   help="latency: comma-separated batch sizes")
+    p.add_argument(
+        "--batch-sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 16],
+        help="latency: comma-separated batch sizes",
+    )
     p.add_argument("--prefix-len", type=int, default=2048, help="prefix: tokens of the shared prefix")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-transformers", dest="transformers", action="store_false",
-                   help="latency: leave transformers.generate out")
+    p.add_argument(
+        "--no-transformers", dest="transformers", action="store_false", help="latency: leave transformers.generate out"
+    )
     p.add_argument("-o", "--output", default="bench_results/bench.json")
     p.set_defaults(func=_cmd_bench)
 
@@ -125,8 +156,12 @@ def _extra_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s] %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(levelname)s %(asctime)s %(name)s] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
 
     args = build_parser().parse_args(argv)
     try:

@@ -14,8 +14,20 @@ from .block_pool import DEFAULT_HASH_ALGO, HASH_ALGOS
 
 __all__ = ["EngineConfig", "option", "parse_size", "parse_skip_layers"]
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -43,7 +55,8 @@ def parse_skip_layers(values: str | list[str | int] | None) -> tuple[bool, list[
                 idx.append(int(v))
             except (TypeError, ValueError):
                 raise ValueError(
-                    f"--kv-cache-dtype-skip-layers takes 'sliding_window' or layer indices, got {v!r}") from None
+                    f"--kv-cache-dtype-skip-layers takes 'sliding_window' or layer indices, got {v!r}"
+                ) from None
     return sliding, idx
 
 
@@ -76,6 +89,7 @@ def _skip_layers(value) -> None:
 # so that `import qkv.config` stays light.
 def _kv_cache_dtype(value: str) -> None:
     from .kernels.quant import resolve_cache_dtype
+
     resolve_cache_dtype(value)
 
 
@@ -91,6 +105,7 @@ def _positive_gib(value: float | int) -> None:
 
 def _offloading_backend(value: str) -> None:
     from .offload import OFFLOADING_BACKENDS
+
     if value not in OFFLOADING_BACKENDS:
         extra = " (vLLM's lmcache backend is not supported by qkv)" if value == "lmcache" else ""
         raise ValueError(f"must be one of {', '.join(OFFLOADING_BACKENDS)}{extra}; got {value!r}")
@@ -103,16 +118,19 @@ def _directory(value: str) -> None:
 
 def _model_dtypes() -> tuple[str, ...]:
     from .model_loader import _DTYPES
+
     return ("auto", *_DTYPES)
 
 
 def _rotations() -> tuple[str, ...]:
     from .kernels.quant import ROTATIONS
+
     return ("auto", *ROTATIONS)
 
 
 def _attention_backends() -> tuple[str, ...]:
     from .attention import ATTENTION_BACKENDS
+
     return ATTENTION_BACKENDS
 
 
@@ -140,46 +158,75 @@ class EngineConfig:
 
     model: str = option(help="registry name (e.g. smollm2-135m, gemma3-270m) or a local Hugging Face directory")
     dtype: str = option("auto", "model dtype (auto: the checkpoint's)", choices=_model_dtypes)
-    kv_cache_dtype: str = option("auto", "KV-cache storage dtype: auto, bfloat16, fp8 (=fp8_e4m3), fp8_e5m2, int8, "
-                                 "fp8_per_token_head, int8_per_token_head", check=_kv_cache_dtype)
-    kv_scales: str | None = option(None, "calibrated checkpoint dir or scales file (qkv calibrate -o)",
-                                   check=_exists)
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV-cache storage dtype: auto, bfloat16, fp8 (=fp8_e4m3), fp8_e5m2, int8, "
+        "fp8_per_token_head, int8_per_token_head",
+        check=_kv_cache_dtype,
+    )
+    kv_scales: str | None = option(None, "calibrated checkpoint dir or scales file (qkv calibrate -o)", check=_exists)
     kv_cache_dtype_skip_layers: list[str | int] | str | None = option(
-        None, "keep these layers' cache unquantized: 'sliding_window' and/or layer indices (default: the layers "
-              "a calibrated checkpoint's auto-skip chose, else none)", check=_skip_layers)
-    kv_rotation: str = option("auto", "qkv extension: Hadamard-rotate K/V along head_dim before quantizing "
-                              "(auto: whatever the scales were calibrated with)", choices=_rotations)
+        None,
+        "keep these layers' cache unquantized: 'sliding_window' and/or layer indices (default: the layers "
+        "a calibrated checkpoint's auto-skip chose, else none)",
+        check=_skip_layers,
+    )
+    kv_rotation: str = option(
+        "auto",
+        "qkv extension: Hadamard-rotate K/V along head_dim before quantizing "
+        "(auto: whatever the scales were calibrated with)",
+        choices=_rotations,
+    )
     block_size: int = option(16, "tokens per KV block", ge=1, check=_power_of_two)
     kv_cache_memory: int | str | None = option(
-        None, f"bytes for the KV cache, e.g. 2GiB (default {DEFAULT_KV_CACHE_MEMORY >> 30}GiB)", check=_positive_size)
-    num_blocks: int | None = option(None, "number of KV blocks, the null block included (overrides "
-                                          "kv_cache_memory)", ge=2)
-    max_model_len: int | None = option(None, "longest prompt + output (default: the model's, capped by the cache)",
-                                       ge=1)
+        None, f"bytes for the KV cache, e.g. 2GiB (default {DEFAULT_KV_CACHE_MEMORY >> 30}GiB)", check=_positive_size
+    )
+    num_blocks: int | None = option(
+        None, "number of KV blocks, the null block included (overrides kv_cache_memory)", ge=2
+    )
+    max_model_len: int | None = option(
+        None, "longest prompt + output (default: the model's, capped by the cache)", ge=1
+    )
     max_num_seqs: int = option(64, "most requests running at once", ge=1)
     max_num_batched_tokens: int = option(2048, "most tokens in one step", ge=1)
     enable_prefix_caching: bool = option(True, "automatic prefix caching")
-    prefix_caching_hash_algo: str = option(DEFAULT_HASH_ALGO, "hash of prefix-cache blocks (vLLM's flag); a "
-                                           "cryptographic hash, so that no client can make its blocks collide "
-                                           "with another's", choices=HASH_ALGOS)
-    attention_backend: str | None = option(None, "default: triton on CUDA; on a CPU the fused cpu kernels "
-                                           "(compiled on first use), "
-                                           "or the torch reference when no C++ compiler is found",
-                                           choices=_attention_backends)
+    prefix_caching_hash_algo: str = option(
+        DEFAULT_HASH_ALGO,
+        "hash of prefix-cache blocks (vLLM's flag); a "
+        "cryptographic hash, so that no client can make its blocks collide "
+        "with another's",
+        choices=HASH_ALGOS,
+    )
+    attention_backend: str | None = option(
+        None,
+        "default: triton on CUDA; on a CPU the fused cpu kernels "
+        "(compiled on first use), "
+        "or the torch reference when no C++ compiler is found",
+        choices=_attention_backends,
+    )
     device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda when available)", check=_device)
     # Not read by the engine (a request's seed is SamplingParams.seed); qkv eval passes its own seed here.
     seed: int = option(0, "seed of whoever drives the engine (evaluation, calibration)")
-    batch_invariant: bool = option(False, "fixed-shape GEMM tiles and (on the cpu backend) row-invariant "
-                                   "attention: a request's tokens do not depend on what it is batched with, how its "
-                                   "prefill is chunked or prefix-cache hits (slower)")
+    batch_invariant: bool = option(
+        False,
+        "fixed-shape GEMM tiles and (on the cpu backend) row-invariant "
+        "attention: a request's tokens do not depend on what it is batched with, how its "
+        "prefill is chunked or prefix-cache hits (slower)",
+    )
     kv_offloading_size: float | int | None = option(
-        None, "GiB for a second tier of prefix blocks: blocks the device pool evicts go there and come back "
-              "on a hit (vLLM's flag); default: no tier", check=_positive_gib)
-    kv_offloading_backend: str = option("native", "offload backend: native (vLLM's lmcache is not supported)",
-                                        check=_offloading_backend)
+        None,
+        "GiB for a second tier of prefix blocks: blocks the device pool evicts go there and come back "
+        "on a hit (vLLM's flag); default: no tier",
+        check=_positive_gib,
+    )
+    kv_offloading_backend: str = option(
+        "native", "offload backend: native (vLLM's lmcache is not supported)", check=_offloading_backend
+    )
     kv_offloading_dir: str | None = option(
-        None, "qkv extension: back the offload tier with files in this directory, so it survives restarts",
-        check=_directory)
+        None,
+        "qkv extension: back the offload tier with files in this directory, so it survives restarts",
+        check=_directory,
+    )
 
     DEFAULT_KV_CACHE_MEMORY = DEFAULT_KV_CACHE_MEMORY
 
@@ -208,8 +255,9 @@ class EngineConfig:
                     meta["check"](value)
                 except ValueError as e:
                     reason = str(e)
-                    raise ValueError(f"{f.name} {reason}" if reason.startswith("must") else f"{f.name}: {reason}") \
-                        from None
+                    raise ValueError(
+                        f"{f.name} {reason}" if reason.startswith("must") else f"{f.name}: {reason}"
+                    ) from None
         if not self.model:
             raise ValueError("model must be a registry name or a directory, got ''")
         if self.kv_offloading_dir is not None and self.kv_offloading_size is None:

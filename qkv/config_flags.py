@@ -53,22 +53,39 @@ def _add_field(group: argparse._ActionsContainer, f: Field, tp: Any, default: An
         group.add_argument(f.name, help=help_text)
         return
     if tp is bool:
-        group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, default=default,
-                           help=help_text + " (default: %(default)s)")
+        group.add_argument(
+            flag_name(f.name),
+            action=argparse.BooleanOptionalAction,
+            default=default,
+            help=help_text + " (default: %(default)s)",
+        )
         if f.name in _NEGATIVE_ALIASES:
-            group.add_argument(_NEGATIVE_ALIASES[f.name], dest=f.name, action="store_false",
-                               help=f"same as --no-{f.name.replace('_', '-')}")
+            group.add_argument(
+                _NEGATIVE_ALIASES[f.name],
+                dest=f.name,
+                action="store_false",
+                help=f"same as --no-{f.name.replace('_', '-')}",
+            )
         return
     conv, is_list = _scalar_type(tp)
     choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
     if default is not None and "default" not in help_text:
         help_text += " (default: %(default)s)"
-    group.add_argument(flag_name(f.name), type=conv, default=default, help=help_text,
-                       choices=list(choices) if choices is not None else None, nargs="+" if is_list else None)
+    group.add_argument(
+        flag_name(f.name),
+        type=conv,
+        default=default,
+        help=help_text,
+        choices=list(choices) if choices is not None else None,
+        nargs="+" if is_list else None,
+    )
 
 
-def add_engine_args(parser: argparse._ActionsContainer, names: Iterable[str] = ENGINE_FLAG_FIELDS,
-                    defaults: Mapping[str, Any] | None = None) -> None:
+def add_engine_args(
+    parser: argparse._ActionsContainer,
+    names: Iterable[str] = ENGINE_FLAG_FIELDS,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
     """Add the flags of EngineConfig's fields ``names`` (``model`` positional) to ``parser``.
 
     ``defaults`` overrides a field's default where a tool means another one (eval scores in bfloat16

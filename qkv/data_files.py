@@ -21,8 +21,8 @@ from pathlib import Path
 __all__ = ["DATA_DIR_ENV", "WIKITEXT_TEST", "WIKITEXT_VALID", "data_dirs", "find_data_file", "not_found"]
 
 DATA_DIR_ENV = "QKV_DATA_DIR"
-WIKITEXT_TEST = "wikitext-2/wiki.test.raw"        # WikiText-2 raw, test split (byte-for-byte the hub's)
-WIKITEXT_VALID = "wikitext-2/wiki.valid.tokens"   # validation split: calibration text, never evaluated on
+WIKITEXT_TEST = "wikitext-2/wiki.test.raw"  # WikiText-2 raw, test split (byte-for-byte the hub's)
+WIKITEXT_VALID = "wikitext-2/wiki.valid.tokens"  # validation split: calibration text, never evaluated on
 _CHECKOUT = Path(__file__).resolve().parent.parent
 
 

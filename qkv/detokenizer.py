@@ -37,11 +37,15 @@ def make_decoder(tokenizer, skip_special_tokens: bool) -> tuple[Decode, bool]:
     ``incremental`` is False when a window decode may differ from a full one.
     """
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode") and not getattr(tokenizer, "clean_up_tokenization_spaces",
-                                                                            False):
+    if (
+        backend is not None
+        and hasattr(backend, "decode")
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    ):
         return (lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)), True
-    return (lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)), \
-        not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+    return (lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)), not getattr(
+        tokenizer, "clean_up_tokenization_spaces", False
+    )
 
 
 def _stable_end(text: str) -> int:
@@ -64,8 +68,8 @@ class IncrementalDetokenizer:
         self._decode = decode
         self._incremental = incremental
         self.text = ""
-        self._start = 0         # first token of the window
-        self._sent = 0          # characters of decode(window) already emitted
+        self._start = 0  # first token of the window
+        self._sent = 0  # characters of decode(window) already emitted
         self._window_text = ""  # decode(window)[:_sent], to check that the window decodes consistently
 
     @property
@@ -82,22 +86,22 @@ class IncrementalDetokenizer:
     def _advance(self, ids: list[int], final: bool) -> str:
         if not self._incremental:  # exact fallback: decode everything
             full = self._decode(ids)
-            self.text = full if final else full[:_stable_end(full)]
+            self.text = full if final else full[: _stable_end(full)]
             return ""
-        window = self._decode(ids[self._start:])
+        window = self._decode(ids[self._start :])
         if not window.startswith(self._window_text):
             # The window decoded differently from before: widen it to the whole output, which is
             # always consistent with what was emitted from it.
             self._start, self._sent, self._window_text = 0, len(self.text), self.text
             window = self._decode(ids)
         end = len(window) if final else _stable_end(window)
-        delta = window[self._sent:end] if end > self._sent else ""
+        delta = window[self._sent : end] if end > self._sent else ""
         self.text += delta
         if end == len(window) and len(ids) - self._start > 1:
             # Everything is final: the newest token becomes the window's context (as in DecodeStream).
             self._start = len(ids) - 1
-            self._window_text = self._decode(ids[self._start:])
+            self._window_text = self._decode(ids[self._start :])
             self._sent = len(self._window_text)
         else:
-            self._sent, self._window_text = max(end, self._sent), window[:max(end, self._sent)]
+            self._sent, self._window_text = max(end, self._sent), window[: max(end, self._sent)]
         return delta

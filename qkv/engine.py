@@ -58,8 +58,9 @@ class LLMEngine:
         if preloaded_model is not None:
             p = next(preloaded_model.parameters())
             if p.dtype != self.dtype or p.device.type != self.device.type:
-                raise ValueError(f"preloaded model is {p.dtype} on {p.device}, "
-                                 f"engine wants {self.dtype} on {self.device}")
+                raise ValueError(
+                    f"preloaded model is {p.dtype} on {p.device}, engine wants {self.dtype} on {self.device}"
+                )
             self.model = preloaded_model
         else:
             self.model = load_model(self.model_path, self.dtype, self.device)
@@ -68,8 +69,14 @@ class LLMEngine:
 
         layout = attention_layout(self.model)
         self.layer_specs, scales = resolve_kv_cache(
-            layout, self.model_path, config.kv_cache_dtype, self.dtype, config.kv_scales,
-            config.kv_cache_dtype_skip_layers, config.kv_rotation)
+            layout,
+            self.model_path,
+            config.kv_cache_dtype,
+            self.dtype,
+            config.kv_scales,
+            config.kv_cache_dtype_skip_layers,
+            config.kv_rotation,
+        )
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
@@ -78,8 +85,11 @@ class LLMEngine:
         self.cache = KVCache(self.layer_specs, num_blocks, config.block_size, self.device, scales)
         self.block_size = config.block_size
         max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = (config.max_model_len if config.max_model_len is not None
-                              else min(max_pos, (num_blocks - 1) * self.block_size))
+        self.max_model_len = (
+            config.max_model_len
+            if config.max_model_len is not None
+            else min(max_pos, (num_blocks - 1) * self.block_size)
+        )
         self.pool = BlockPool(num_blocks, config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(self.pool, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -135,9 +145,15 @@ class LLMEngine:
             return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         return list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None, strict_max_tokens: bool = False) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        strict_max_tokens: bool = False,
+    ) -> str:
         """Validate and queue a request. Raises :class:`RequestError` before touching any engine state.
 
         ``cache_salt`` isolates the request's prefix-cache blocks from requests
@@ -158,38 +174,59 @@ class LLMEngine:
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise RequestError(f"prompt holds a lone surrogate (U+{ord(prompt[e.start]):04X}) at index {e.start}, "
-                                   f"which is not valid Unicode text", "prompt") from None
+                raise RequestError(
+                    f"prompt holds a lone surrogate (U+{ord(prompt[e.start]):04X}) at index {e.start}, "
+                    f"which is not valid Unicode text",
+                    "prompt",
+                ) from None
         elif not isinstance(prompt, (list, tuple)):
             raise RequestError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}", "prompt")
         token_ids = self.tokenize(prompt)
         if not token_ids:
             raise RequestError("prompt is empty: give at least one token", "prompt")
-        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool)
-                                            and 0 <= t < self.vocab_size)]
+        bad = [
+            t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size)
+        ]
         if bad:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt")
         n, limit = len(token_ids), self.max_model_len
         if n > limit:
-            raise RequestError(f"prompt has {n} tokens, more than max_model_len={limit}", "prompt",
-                               "context_length_exceeded")
+            raise RequestError(
+                f"prompt has {n} tokens, more than max_model_len={limit}", "prompt", "context_length_exceeded"
+            )
         if params.num_samples > self.config.max_num_seqs:
             field = "best_of" if params.best_of is not None else "n"
-            raise RequestError(f"{field}={params.num_samples} samples exceed max_num_seqs={self.config.max_num_seqs}, "
-                               f"the sequences the engine runs at once", field)
+            raise RequestError(
+                f"{field}={params.num_samples} samples exceed max_num_seqs={self.config.max_num_seqs}, "
+                f"the sequences the engine runs at once",
+                field,
+            )
         if strict_max_tokens and params.max_tokens is not None and n + params.max_tokens > limit:
             raise RequestError(
                 f"max_tokens={params.max_tokens} does not fit: the prompt has {n} tokens and max_model_len={limit}, "
-                f"so max_tokens can be at most {limit - n}", "max_tokens", "context_length_exceeded")
+                f"so max_tokens can be at most {limit - n}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         total = limit if params.max_tokens is None else min(n + params.max_tokens, limit)
         need = cdiv(total, self.block_size)
         if need > self.pool.num_usable_blocks:
             raise RequestError(
                 f"request needs {need} KV blocks ({total} tokens) but the cache has only "
                 f"{self.pool.num_usable_blocks}; raise --kv-cache-memory/--num-blocks or lower max_tokens",
-                "max_tokens" if cdiv(n, self.block_size) <= self.pool.num_usable_blocks else "prompt")
-        seq = Sequence(request_id, token_ids, params, self.block_size, prompt if isinstance(prompt, str) else None,
-                       arrival_time, cache_salt, self.config.prefix_caching_hash_algo, self._detokenizer(params))
+                "max_tokens" if cdiv(n, self.block_size) <= self.pool.num_usable_blocks else "prompt",
+            )
+        seq = Sequence(
+            request_id,
+            token_ids,
+            params,
+            self.block_size,
+            prompt if isinstance(prompt, str) else None,
+            arrival_time,
+            cache_salt,
+            self.config.prefix_caching_hash_algo,
+            self._detokenizer(params),
+        )
         self.requests[request_id] = ParallelRequest(seq)
         self.scheduler.add(seq)
         return request_id
@@ -260,10 +297,11 @@ class LLMEngine:
         """Account scheduled item ``i``'s forward and, if it sampled, its new token(s); True if it sampled."""
         seq = item.seq
         for _, first_row, positions in (r for r in step.inputs.prompt_rows if r[0] == i):
-            rows = step.logits[first_row:first_row + len(positions)]
-            nxt = seq.prompt_token_ids[positions.start + 1:positions.stop + 1]
-            seq.prompt_logprobs.extend(position_logprobs(rows, nxt, [seq.params.prompt_logprobs] * len(nxt),
-                                                         self.token_text))
+            rows = step.logits[first_row : first_row + len(positions)]
+            nxt = seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+            seq.prompt_logprobs.extend(
+                position_logprobs(rows, nxt, [seq.params.prompt_logprobs] * len(nxt), self.token_text)
+            )
         seq.num_computed_tokens += item.num_new_tokens
         self.kv_manager.cache_blocks(seq)
         if seq.num_computed_tokens <= seq.num_prompt_tokens:

@@ -26,7 +26,7 @@ class LayerSpec:
     head_dim: int
     dtype: CacheDtype
     sliding_window: int | None = None
-    rotation: str | None = None   # "hadamard": the cache holds K H and V H (qkv extension)
+    rotation: str | None = None  # "hadamard": the cache holds K H and V H (qkv extension)
 
     @property
     def bytes_per_token(self) -> int:
@@ -37,8 +37,8 @@ class LayerSpec:
 @dataclass
 class LayerCache:
     spec: LayerSpec
-    kv: torch.Tensor                      # [num_blocks, 2, block_size, Hkv, D]
-    k_scale: torch.Tensor | None = None   # [Hkv], or [Hkv, D] per channel, fp32 (static modes)
+    kv: torch.Tensor  # [num_blocks, 2, block_size, Hkv, D]
+    k_scale: torch.Tensor | None = None  # [Hkv], or [Hkv, D] per channel, fp32 (static modes)
     v_scale: torch.Tensor | None = None
     scale_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, Hkv] fp32 (dynamic modes)
 
@@ -53,7 +53,8 @@ def plan_num_blocks(specs: list[LayerSpec], block_size: int, kv_cache_memory: in
     if n < 2:
         raise ValueError(
             f"--kv-cache-memory {kv_cache_memory} B holds {n} blocks of "
-            f"{bytes_per_block(specs, block_size)} B; need at least 2")
+            f"{bytes_per_block(specs, block_size)} B; need at least 2"
+        )
     return int(n)
 
 
@@ -68,20 +69,27 @@ def _static_scale(t: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
 class KVCache:
     """All layers' cache tensors; block ids are shared by every layer."""
 
-    def __init__(self, specs: list[LayerSpec], num_blocks: int, block_size: int,
-                 device: torch.device | str = "cpu",
-                 scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        specs: list[LayerSpec],
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         self.specs = specs
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layers: list[LayerCache] = []
         for s in specs:
-            kv = torch.zeros(num_blocks, 2, block_size, s.num_kv_heads, s.head_dim,
-                             dtype=s.dtype.storage, device=device)
+            kv = torch.zeros(
+                num_blocks, 2, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype.storage, device=device
+            )
             layer = LayerCache(s, kv)
             if s.dtype.dynamic:
-                layer.scale_cache = torch.ones(num_blocks, 2, block_size, s.num_kv_heads,
-                                               dtype=torch.float32, device=device)
+                layer.scale_cache = torch.ones(
+                    num_blocks, 2, block_size, s.num_kv_heads, dtype=torch.float32, device=device
+                )
             elif s.dtype.quantized:
                 k, v = (scales or {}).get(s.layer_idx, (torch.ones(1), torch.ones(1)))
                 layer.k_scale = _static_scale(k, s).to(device)
@@ -135,7 +143,9 @@ def capacity_line(cache: KVCache, max_model_len: int) -> str:
     usable = cache.num_blocks - 1
     tokens = usable * cache.block_size
     blocks_per_seq = -(-max_model_len // cache.block_size)
-    return (f"KV cache: {usable:,} blocks x {cache.block_size} tokens = {tokens:,} tokens "
-            f"({cache.dtype_summary()}, {cache.bytes_per_token:,} B/token, "
-            f"{cache.num_bytes / 2**20:,.1f} MiB); maximum concurrency for {max_model_len:,} tokens "
-            f"per request: {usable / blocks_per_seq:.2f}x")
+    return (
+        f"KV cache: {usable:,} blocks x {cache.block_size} tokens = {tokens:,} tokens "
+        f"({cache.dtype_summary()}, {cache.bytes_per_token:,} B/token, "
+        f"{cache.num_bytes / 2**20:,.1f} MiB); maximum concurrency for {max_model_len:,} tokens "
+        f"per request: {usable / blocks_per_seq:.2f}x"
+    )

@@ -31,10 +31,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0  # prompt tokens of admitted requests, looked up in the prefix cache
-        self.prefix_hits = 0     # tokens of those found there
-        self.offload = None      # a qkv.offload.KVOffload when the second tier is on (the engine sets it)
+        self.prefix_hits = 0  # tokens of those found there
+        self.offload = None  # a qkv.offload.KVOffload when the second tier is on (the engine sets it)
         self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) block ids not yet done
-        self.num_copies = 0      # copy-on-write block copies handed out since start
+        self.num_copies = 0  # copy-on-write block copies handed out since start
 
     def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
         """The longest run of cached full blocks that starts the sequence.
@@ -74,8 +74,7 @@ class KVCacheManager:
             if self.offload is not None:
                 self.offload.record_admission(seq, num_hit_tokens)
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] | None = None) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens; ``False`` (and no change) if blocks run out.
 
         ``computed_blocks`` are prefix-cache hits for a sequence that has no

@@ -11,8 +11,9 @@ from .kv_cache import LayerSpec
 __all__ = ["build_layer_specs"]
 
 
-def build_layer_specs(layout: list[dict], kv_cache_dtype: str, model_dtype: torch.dtype,
-                      skip_layers=None, rotation: str | None = None) -> list[LayerSpec]:
+def build_layer_specs(
+    layout: list[dict], kv_cache_dtype: str, model_dtype: torch.dtype, skip_layers=None, rotation: str | None = None
+) -> list[LayerSpec]:
     """One :class:`LayerSpec` per layer; skipped layers keep the model dtype (BF16 for bf16 models).
 
     ``skip_layers`` takes ``"sliding_window"`` and/or layer indices, as vLLM's
@@ -26,14 +27,16 @@ def build_layer_specs(layout: list[dict], kv_cache_dtype: str, model_dtype: torc
     n = len(layout)
     bad = [i for i in indices if not 0 <= i < n]
     if bad:
-        raise ValueError(f"--kv-cache-dtype-skip-layers index {bad[0]} is out of range: "
-                         f"the model has {n} layers (0..{n - 1})")
+        raise ValueError(
+            f"--kv-cache-dtype-skip-layers index {bad[0]} is out of range: the model has {n} layers (0..{n - 1})"
+        )
     if skip_sliding and not any(d["sliding_window"] for d in layout):
         raise ValueError("--kv-cache-dtype-skip-layers sliding_window: this model has no sliding-window layers")
     specs = []
     for d in layout:
         skip = d["layer_idx"] in indices or (skip_sliding and d["sliding_window"] is not None)
         rot = None if skip else check_rotation(rotation, d["head_dim"])
-        specs.append(LayerSpec(d["layer_idx"], d["num_kv_heads"], d["head_dim"],
-                               plain if skip else dt, d["sliding_window"], rot))
+        specs.append(
+            LayerSpec(d["layer_idx"], d["num_kv_heads"], d["head_dim"], plain if skip else dt, d["sliding_window"], rot)
+        )
     return specs

@@ -21,8 +21,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run all prompts to completion with continuous batching; outputs come back in prompt order.
 
         A prompt is a string or a list of token ids. If any prompt is invalid,

@@ -53,15 +53,16 @@ class TokenTexts:
         return text
 
 
-def position_logprobs(logits: torch.Tensor, chosen: list[int], num_top: list[int],
-                      text: Callable[[int], str]) -> list[PositionLogprobs]:
+def position_logprobs(
+    logits: torch.Tensor, chosen: list[int], num_top: list[int], text: Callable[[int], str]
+) -> list[PositionLogprobs]:
     """One dict per row of ``logits`` ([N, vocab]): ``chosen[i]`` first, then the top ``num_top[i]``."""
     logp = logits.float().log_softmax(-1)
     ids = torch.tensor(chosen, dtype=torch.long, device=logp.device)
     chosen_lp = logp.gather(1, ids[:, None])[:, 0]
     ranks = ((logp > chosen_lp[:, None]).sum(-1) + 1).tolist()
     k = max(num_top, default=0)
-    top_lp, top_ids = (logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long()))
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     top_lp, top_ids, chosen_values = top_lp.tolist(), top_ids.tolist(), chosen_lp.tolist()
     out = []
     for r, token in enumerate(chosen):

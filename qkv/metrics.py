@@ -24,14 +24,15 @@ ROWS = 256  # rows of [T, vocab] processed at a time: bounds memory for 262k-tok
 
 
 @torch.inference_mode()
-def token_metrics(base_logits: torch.Tensor, logits: torch.Tensor,
-                  targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_metrics(
+    base_logits: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-position ``(nll, kl, top1_agree)`` for logits ``[T, V]`` predicting ``targets [T]``."""
     nll, kl, agree = [], [], []
     for s in range(0, logits.shape[0], ROWS):
-        lq = torch.log_softmax(logits[s:s + ROWS].float(), dim=-1)
-        lp = torch.log_softmax(base_logits[s:s + ROWS].float(), dim=-1)
-        nll.append(_nll(lq, targets[s:s + ROWS]))
+        lq = torch.log_softmax(logits[s : s + ROWS].float(), dim=-1)
+        lp = torch.log_softmax(base_logits[s : s + ROWS].float(), dim=-1)
+        nll.append(_nll(lq, targets[s : s + ROWS]))
         kl.append((lp.exp() * (lp - lq)).sum(-1).clamp_min(0.0))
         agree.append(lp.argmax(-1) == lq.argmax(-1))
     return torch.cat(nll).double(), torch.cat(kl).double(), torch.cat(agree)
@@ -41,8 +42,12 @@ def token_metrics(base_logits: torch.Tensor, logits: torch.Tensor,
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-position NLL of ``targets [T]`` under ``logits [T, V]``: the ``nll`` of :func:`token_metrics`
     without a baseline."""
-    return torch.cat([_nll(torch.log_softmax(logits[s:s + ROWS].float(), dim=-1), targets[s:s + ROWS])
-                      for s in range(0, logits.shape[0], ROWS)]).double()
+    return torch.cat(
+        [
+            _nll(torch.log_softmax(logits[s : s + ROWS].float(), dim=-1), targets[s : s + ROWS])
+            for s in range(0, logits.shape[0], ROWS)
+        ]
+    ).double()
 
 
 def _nll(log_probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

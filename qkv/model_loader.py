@@ -11,9 +11,16 @@ from .attention import register
 
 __all__ = ["load_model", "load_tokenizer", "text_config", "attention_layout", "resolve_dtype"]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
-           "float": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.dtype:
@@ -39,8 +46,9 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               attn_implementation: str | None = None) -> torch.nn.Module:
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device, attn_implementation: str | None = None
+) -> torch.nn.Module:
     """Instantiate transformers' own model class with ``attn_implementation="qkv_paged"``."""
     impl = attn_implementation or register()
     config = AutoConfig.from_pretrained(str(path))
@@ -48,8 +56,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     # qkv reads the scales itself (qkv.scales), so transformers must not look for a quantizer.
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
-    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype,
-                                                 attn_implementation=impl)
+    model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype, attn_implementation=impl)
     return model.to(device).eval()
 
 
@@ -76,10 +83,12 @@ def attention_layout(model: torch.nn.Module) -> list[dict]:
             window = cfg.sliding_window if layer_types[i] == "sliding_attention" else None
         else:
             window = getattr(cfg, "sliding_window", None)
-        head_dim = getattr(m, "head_dim", None) or getattr(cfg, "head_dim", None) \
-            or cfg.hidden_size // cfg.num_attention_heads
-        out.append({"layer_idx": i, "num_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
-                    "sliding_window": window})
+        head_dim = (
+            getattr(m, "head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        )
+        out.append(
+            {"layer_idx": i, "num_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim, "sliding_window": window}
+        )
     if [d["layer_idx"] for d in out] != list(range(cfg.num_hidden_layers)):
         raise ValueError("could not find one attention module per layer in this model")
     return out

@@ -41,8 +41,17 @@ from .offload_files import FileBackend
 from .offload_tier import OffloadTier, RamBackend
 from .sequence import Sequence
 
-__all__ = ["KVOffload", "CacheBlockIO", "namespace_digest", "build_offload", "evict_free_blocks",
-           "OFFLOAD_COUNTERS", "OFFLOAD_GAUGES", "ENTRY_FORMAT_VERSION", "OFFLOADING_BACKENDS"]
+__all__ = [
+    "KVOffload",
+    "CacheBlockIO",
+    "namespace_digest",
+    "build_offload",
+    "evict_free_blocks",
+    "OFFLOAD_COUNTERS",
+    "OFFLOAD_GAUGES",
+    "ENTRY_FORMAT_VERSION",
+    "OFFLOADING_BACKENDS",
+]
 
 logger = logging.getLogger("qkv")
 
@@ -85,17 +94,24 @@ def _model_identity(model_path: Path) -> dict:
             fh.seek(max(0, size - _EDGE))
             h.update(fh.read(_EDGE))
         weights.append([f.name, size, h.hexdigest()])
-    return {"name": model_path.name, "weights": weights,
-            "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None}
+    return {
+        "name": model_path.name,
+        "weights": weights,
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None,
+    }
 
 
 def namespace_digest(model_path: Path, model_dtype: torch.dtype, cache: KVCache) -> bytes:
     """The engine-level part of every tier key: what, besides the tokens, decides a block's bytes."""
     material = {
-        "entry_format": ENTRY_FORMAT_VERSION, "model": _model_identity(Path(model_path)),
-        "model_dtype": str(model_dtype), "block_size": cache.block_size,
-        "layers": [[s.layer_idx, s.num_kv_heads, s.head_dim, s.dtype.name, str(s.dtype.storage), s.rotation]
-                   for s in cache.specs],
+        "entry_format": ENTRY_FORMAT_VERSION,
+        "model": _model_identity(Path(model_path)),
+        "model_dtype": str(model_dtype),
+        "block_size": cache.block_size,
+        "layers": [
+            [s.layer_idx, s.num_kv_heads, s.head_dim, s.dtype.name, str(s.dtype.storage), s.rotation]
+            for s in cache.specs
+        ],
     }
     h = hashlib.sha256(json.dumps(material, sort_keys=True).encode())
     for layer in cache.layers:  # static scales, every byte (a recalibration changes the quantized bytes)
@@ -128,7 +144,7 @@ class CacheBlockIO:
         data = data.reshape(len(block_ids), self.block_bytes).to(self.device)
         col = 0
         for v in self.views:
-            v.index_copy_(0, idx, data[:, col:col + v.shape[1]])
+            v.index_copy_(0, idx, data[:, col : col + v.shape[1]])
             col += v.shape[1]
 
 
@@ -166,8 +182,9 @@ class KVOffload:
         except Exception as e:  # noqa: BLE001
             self.store_errors += 1
             if self.store_errors == 1:
-                logger.warning("KV offload: storing evicted blocks failed (%s: %s); going on without them",
-                               type(e).__name__, e)
+                logger.warning(
+                    "KV offload: storing evicted blocks failed (%s: %s); going on without them", type(e).__name__, e
+                )
         self.store_seconds += time.perf_counter() - t0
 
     # -- tier -> device ---------------------------------------------------------------------------
@@ -180,7 +197,7 @@ class KVOffload:
         hits are protected from eviction. No reference is left behind.
         """
         plan: list[KVBlock | bytes] = []  # device blocks and tier keys, in chain order
-        for block_hash in hashes[len(hits):]:
+        for block_hash in hashes[len(hits) :]:
             entry: KVBlock | bytes | None = pool.get_cached_block(block_hash)
             if entry is None:
                 entry = self.key(block_hash)
@@ -204,15 +221,16 @@ class KVOffload:
             n = min(len(payloads), pool.num_free_blocks)
             if n < len(payloads):  # cut the plan before the first tier hit that gets no block
                 tier_positions = [i for i, item in enumerate(plan) if isinstance(item, bytes)]
-                plan, payloads = plan[:tier_positions[n]], payloads[:n]
+                plan, payloads = plan[: tier_positions[n]], payloads[:n]
             fresh = pool.get_new_blocks(n)
             try:
                 if fresh:
                     self.io.scatter([b.block_id for b in fresh], payloads)
             except Exception as e:  # noqa: BLE001 - the blocks are recomputed instead
                 pool.free_blocks(fresh)
-                logger.warning("KV offload: loading %d blocks failed (%s: %s); recomputing them",
-                               len(fresh), type(e).__name__, e)
+                logger.warning(
+                    "KV offload: loading %d blocks failed (%s: %s); recomputing them", len(fresh), type(e).__name__, e
+                )
                 return hits
             fresh_it, start = iter(fresh), len(hits)
             for i, item in enumerate(plan):
@@ -231,7 +249,7 @@ class KVOffload:
     def record_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
         """Count an admitted request's tokens (once, like the device prefix-cache counters)."""
         self.query_tokens += seq.num_tokens
-        for block in seq.blocks[:num_hit_tokens // self.block_size]:
+        for block in seq.blocks[: num_hit_tokens // self.block_size]:
             if self._loaded.get(block.block_id) == block.block_hash:
                 del self._loaded[block.block_id]
                 self.hit_tokens += self.block_size
@@ -251,36 +269,55 @@ class KVOffload:
     def counters(self) -> dict[str, float]:
         """The values of :data:`OFFLOAD_COUNTERS` and :data:`OFFLOAD_GAUGES`."""
         t = self.tier
-        return {"external_prefix_cache_queries": self.query_tokens, "external_prefix_cache_hits": self.hit_tokens,
-                "kv_offload_stored_blocks": self.stored_blocks, "kv_offload_loaded_blocks": self.loaded_blocks,
-                "kv_offload_bytes_written": t.bytes_written, "kv_offload_bytes_read": t.bytes_read,
-                "kv_offload_store_seconds": self.store_seconds, "kv_offload_load_seconds": self.load_seconds,
-                "kv_offload_bad_entries": t.bad_entries, "kv_offload_used_bytes": t.used,
-                "kv_offload_entries": len(t)}
+        return {
+            "external_prefix_cache_queries": self.query_tokens,
+            "external_prefix_cache_hits": self.hit_tokens,
+            "kv_offload_stored_blocks": self.stored_blocks,
+            "kv_offload_loaded_blocks": self.loaded_blocks,
+            "kv_offload_bytes_written": t.bytes_written,
+            "kv_offload_bytes_read": t.bytes_read,
+            "kv_offload_store_seconds": self.store_seconds,
+            "kv_offload_load_seconds": self.load_seconds,
+            "kv_offload_bad_entries": t.bad_entries,
+            "kv_offload_used_bytes": t.used,
+            "kv_offload_entries": len(t),
+        }
 
     def report(self) -> dict:
         """What ``/debug/kv`` shows of the tier."""
-        return {**self.tier.report(), "block_bytes": self.io.block_bytes,
-                "capacity_blocks": self.tier.capacity // self.io.block_bytes,
-                "namespace": self.namespace.hex()[:16], **self.counters()}
+        return {
+            **self.tier.report(),
+            "block_bytes": self.io.block_bytes,
+            "capacity_blocks": self.tier.capacity // self.io.block_bytes,
+            "namespace": self.namespace.hex()[:16],
+            **self.counters(),
+        }
 
 
-def build_offload(config, model_path: Path, model_dtype: torch.dtype, cache: KVCache, pool: BlockPool,
-                  kv_manager) -> KVOffload | None:
+def build_offload(
+    config, model_path: Path, model_dtype: torch.dtype, cache: KVCache, pool: BlockPool, kv_manager
+) -> KVOffload | None:
     """The tier ``config`` asks for, hooked into ``pool`` and ``kv_manager``; ``None`` when it is off."""
     if config.kv_offloading_size is None:
         return None
     capacity = int(config.kv_offloading_size * 2**30)
     backend = FileBackend(config.kv_offloading_dir) if config.kv_offloading_dir else RamBackend()
     io = CacheBlockIO(cache)
-    offload = KVOffload(OffloadTier(capacity, backend), io, namespace_digest(model_path, model_dtype, cache),
-                        cache.block_size)
+    offload = KVOffload(
+        OffloadTier(capacity, backend), io, namespace_digest(model_path, model_dtype, cache), cache.block_size
+    )
     pool.on_evict = offload.on_evict
     kv_manager.offload = offload
     where = f"files in {config.kv_offloading_dir}" if config.kv_offloading_dir else "RAM"
     found = f", {offload.tier.found_at_start} entries found there" if config.kv_offloading_dir else ""
-    logger.info("KV offload tier (native, %s): %.2f GiB = %d blocks of %d B%s", where, config.kv_offloading_size,
-                capacity // io.block_bytes, io.block_bytes, found)
+    logger.info(
+        "KV offload tier (native, %s): %.2f GiB = %d blocks of %d B%s",
+        where,
+        config.kv_offloading_size,
+        capacity // io.block_bytes,
+        io.block_bytes,
+        found,
+    )
     return offload
 
 

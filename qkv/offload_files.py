@@ -74,7 +74,7 @@ class FileBackend:
         problem = check_entry(data, key)
         if problem:
             return self._bad(path, problem)
-        return data[HEADER.size:]
+        return data[HEADER.size :]
 
     def touch(self, key: bytes) -> None:
         """Mark a hit in the file's mtime, so that the LRU order survives a restart."""
@@ -96,7 +96,7 @@ class FileBackend:
             if name.startswith(".") and name.endswith(".tmp"):
                 path.unlink(missing_ok=True)
                 continue
-            stem = name[:-len(SUFFIX)] if name.endswith(SUFFIX) else ""
+            stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else ""
             if len(stem) != _KEY_HEX:
                 continue
             try:
@@ -131,6 +131,6 @@ def check_entry(data: bytes, key: bytes) -> str | None:
         return "holding another key than its name says"
     if len(data) - HEADER.size != length:
         return f"truncated or padded ({len(data) - HEADER.size} payload bytes, header says {length})"
-    if hashlib.sha256(memoryview(data)[HEADER.size:]).digest() != digest:
+    if hashlib.sha256(memoryview(data)[HEADER.size :]).digest() != digest:
         return "corrupt (payload checksum mismatch)"
     return None

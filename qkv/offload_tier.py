@@ -22,11 +22,11 @@ logger = logging.getLogger("qkv")
 class TierBackend(Protocol):
     name: str
 
-    def write(self, key: bytes, payload: bytes) -> int: ...          # bytes charged against the cap
-    def read(self, key: bytes) -> bytes | None: ...                  # None: gone or corrupt (backend warns)
+    def write(self, key: bytes, payload: bytes) -> int: ...  # bytes charged against the cap
+    def read(self, key: bytes) -> bytes | None: ...  # None: gone or corrupt (backend warns)
     def touch(self, key: bytes) -> None: ...
     def delete(self, key: bytes) -> None: ...
-    def scan(self) -> list[tuple[bytes, int]]: ...                   # existing (key, size), LRU first
+    def scan(self) -> list[tuple[bytes, int]]: ...  # existing (key, size), LRU first
     def describe(self) -> dict: ...
 
 
@@ -70,8 +70,8 @@ class OffloadTier:
         self.used = 0
         self.bytes_written = self.bytes_read = 0
         self.entries_written = self.entries_read = 0
-        self.evictions = 0          # entries dropped to stay under the cap
-        self.bad_entries = 0        # entries that failed to read back (corrupt, truncated, gone)
+        self.evictions = 0  # entries dropped to stay under the cap
+        self.bad_entries = 0  # entries that failed to read back (corrupt, truncated, gone)
         self.write_errors = 0
         for key, size in backend.scan():
             self.index[key] = size
@@ -107,8 +107,12 @@ class OffloadTier:
         except OSError as e:
             self.write_errors += 1
             if self.write_errors == 1:
-                logger.warning("KV offload tier (%s): cannot store an entry (%s: %s); going on without it",
-                               self.backend.name, type(e).__name__, e)
+                logger.warning(
+                    "KV offload tier (%s): cannot store an entry (%s: %s); going on without it",
+                    self.backend.name,
+                    type(e).__name__,
+                    e,
+                )
             return False
         self.index[key] = size
         self.used += size
@@ -149,8 +153,17 @@ class OffloadTier:
             self.backend.delete(key)
 
     def report(self) -> dict:
-        return {**self.backend.describe(), "capacity_bytes": self.capacity, "used_bytes": self.used,
-                "entries": len(self.index), "entries_found_at_start": self.found_at_start,
-                "entries_written": self.entries_written, "entries_read": self.entries_read,
-                "bytes_written": self.bytes_written, "bytes_read": self.bytes_read,
-                "evictions": self.evictions, "bad_entries": self.bad_entries, "write_errors": self.write_errors}
+        return {
+            **self.backend.describe(),
+            "capacity_bytes": self.capacity,
+            "used_bytes": self.used,
+            "entries": len(self.index),
+            "entries_found_at_start": self.found_at_start,
+            "entries_written": self.entries_written,
+            "entries_read": self.entries_read,
+            "bytes_written": self.bytes_written,
+            "bytes_read": self.bytes_read,
+            "evictions": self.evictions,
+            "bad_entries": self.bad_entries,
+            "write_errors": self.write_errors,
+        }

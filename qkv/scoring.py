@@ -20,8 +20,13 @@ __all__ = ["prefill_logits"]
 
 
 @torch.inference_mode()
-def prefill_logits(engine, token_ids: list[int], observer: Callable | None = None,
-                   chunk_size: int | None = None, keep_logits: bool = True) -> torch.Tensor | None:
+def prefill_logits(
+    engine,
+    token_ids: list[int],
+    observer: Callable | None = None,
+    chunk_size: int | None = None,
+    keep_logits: bool = True,
+) -> torch.Tensor | None:
     """Run ``token_ids`` through the engine's model and cache; return fp32 logits ``[T, vocab]``.
 
     The sequence gets its own blocks (no prefix-cache lookup, so every token is

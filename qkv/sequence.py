@@ -89,10 +89,18 @@ class Sequence:
     once the prompt is prefilled (``qkv/parallel_sampling.py``).
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 block_size: int, prompt: str | None = None, arrival_time: float | None = None,
-                 cache_salt: str | None = None, hash_algo: str = DEFAULT_HASH_ALGO,
-                 detokenizer: IncrementalDetokenizer | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        block_size: int,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        hash_algo: str = DEFAULT_HASH_ALGO,
+        detokenizer: IncrementalDetokenizer | None = None,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -109,19 +117,20 @@ class Sequence:
         self.hash_algo = hash_algo
         self.detokenizer = detokenizer
         self.output_text = ""
-        self.stop_checked = 0       # output_text before this offset was searched for stop strings
+        self.stop_checked = 0  # output_text before this offset was searched for stop strings
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic())
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
-        self.index = 0              # sample index within its request
+        self.index = 0  # sample index within its request
         self.num_forks_pending = 0  # siblings this sequence still forks into after its prefill
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
-            [None] if params.prompt_logprobs is not None else None)
+            [None] if params.prompt_logprobs is not None else None
+        )
         self._update_block_hashes()
 
     @property
@@ -200,12 +209,19 @@ class Sequence:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None
             extra = b"" if i or self.cache_salt is None else self.cache_salt.encode("utf-8", "surrogatepass")
-            self.block_hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], extra, self.hash_algo))
+            self.block_hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra, self.hash_algo))
 
     def finish_reason(self) -> str | None:
         return self.status.value if self.finished else None
 
     def completion(self, index: int) -> CompletionOutput:
-        return CompletionOutput(index, self.output_text, list(self.output_token_ids), self.finish_reason(),
-                                self.stop_reason, self.error, self.cumulative_logprob,
-                                None if self.logprobs is None else list(self.logprobs))
+        return CompletionOutput(
+            index,
+            self.output_text,
+            list(self.output_token_ids),
+            self.finish_reason(),
+            self.stop_reason,
+            self.error,
+            self.cumulative_logprob,
+            None if self.logprobs is None else list(self.logprobs),
+        )

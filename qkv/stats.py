@@ -31,10 +31,14 @@ class EngineStats:
 
     def snapshot(self) -> dict:
         return {
-            "num_running": self.num_running, "num_waiting": self.num_waiting,
-            "kv_usage": self.kv_usage, "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-            "num_preemptions": self.num_preemptions, "num_alloc_failures": self.num_alloc_failures,
-            "prompt_tokens": self.prompt_tokens, "generation_tokens": self.generation_tokens,
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_usage": self.kv_usage,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+            "num_preemptions": self.num_preemptions,
+            "num_alloc_failures": self.num_alloc_failures,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
             "num_steps": self.num_steps,
         }
 
@@ -55,12 +59,14 @@ class StatsLogger:
         if not force and dt < self.interval:
             return None
         dt = max(dt, 1e-9)
-        line = (f"Avg prompt throughput: {(stats.prompt_tokens - self._last_prompt) / dt:.1f} tokens/s, "
-                f"Avg generation throughput: {(stats.generation_tokens - self._last_gen) / dt:.1f} tokens/s, "
-                f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
-                f"KV cache usage: {100 * stats.kv_usage:.1f}%, "
-                f"Prefix cache hit rate: {100 * stats.prefix_cache_hit_rate:.1f}%, "
-                f"Preemptions: {stats.num_preemptions}")
+        line = (
+            f"Avg prompt throughput: {(stats.prompt_tokens - self._last_prompt) / dt:.1f} tokens/s, "
+            f"Avg generation throughput: {(stats.generation_tokens - self._last_gen) / dt:.1f} tokens/s, "
+            f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+            f"KV cache usage: {100 * stats.kv_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * stats.prefix_cache_hit_rate:.1f}%, "
+            f"Preemptions: {stats.num_preemptions}"
+        )
         self._last, self._last_prompt, self._last_gen = now, stats.prompt_tokens, stats.generation_tokens
         self.log(line)
         return line

@@ -34,8 +34,7 @@ def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> No
                     seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, s
                     return
             seq.stop_checked = len(seq.output_text)
-    if not seq.finished and ((p.max_tokens is not None and n_out >= p.max_tokens)
-                             or seq.num_tokens >= max_model_len):
+    if not seq.finished and ((p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= max_model_len):
         seq.status = SequenceStatus.FINISHED_LENGTH
     if seq.finished:  # the text of an unfinished last character too, as a full decode gives it
         detok.flush(seq.output_token_ids)

@@ -46,8 +46,10 @@ def wikitext_jsonl() -> Path:
         return Path(env)
     src = wikitext_test_file()
     if src is None:
-        raise FileNotFoundError(f"qkv_wikitext: {not_found(WIKITEXT_TEST)}, or put a JSON-lines file of "
-                                f"{{\"page\": ...}} in $QKV_WIKITEXT_JSONL")
+        raise FileNotFoundError(
+            f"qkv_wikitext: {not_found(WIKITEXT_TEST)}, or put a JSON-lines file of "
+            f'{{"page": ...}} in $QKV_WIKITEXT_JSONL'
+        )
     out = CACHE / "wikitext-2-raw-v1-test-articles.jsonl"
     if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,9 @@ class APIKeyMiddleware:
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self.key):
-                resp = _error(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key")
+                resp = _error(
+                    401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -92,9 +93,16 @@ class ContainErrors:
                 await resp(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, model_names: list[str], metrics: ServerMetrics, *,
-              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              max_model_len: int | None = None, model_root: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    model_names: list[str],
+    metrics: ServerMetrics,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_model_len: int | None = None,
+    model_root: str | None = None,
+) -> FastAPI:
     serving = OpenAIServing(engine, model_names)
     created = int(time.time())
 
@@ -104,8 +112,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], metrics: ServerMetric
         yield
         await engine.stop()
 
-    app = FastAPI(title="qkv", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="qkv", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -119,8 +126,12 @@ def build_app(engine: AsyncEngine, model_names: list[str], metrics: ServerMetric
     async def on_http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         # scope["path"], not request.url: building a URL parses the Host header, which a client controls.
-        return _error(exc.status_code, f"{request.method} {request.scope.get('path', '')}: {exc.detail}", kind,
-                      code=exc.status_code)
+        return _error(
+            exc.status_code,
+            f"{request.method} {request.scope.get('path', '')}: {exc.detail}",
+            kind,
+            code=exc.status_code,
+        )
 
     @app.get("/health")
     async def health():
@@ -134,9 +145,21 @@ def build_app(engine: AsyncEngine, model_names: list[str], metrics: ServerMetric
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "qkv", "root": model_root or name,
-             "parent": None, "max_model_len": max_model_len} for name in model_names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "qkv",
+                    "root": model_root or name,
+                    "parent": None,
+                    "max_model_len": max_model_len,
+                }
+                for name in model_names
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -53,8 +53,9 @@ class _Cmd:
 
 
 class AsyncEngine:
-    def __init__(self, engine, metrics: ServerMetrics | None = None, log_interval: float = 10.0,
-                 log_stats: bool = True) -> None:
+    def __init__(
+        self, engine, metrics: ServerMetrics | None = None, log_interval: float = 10.0, log_stats: bool = True
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.log_interval = log_interval
@@ -92,8 +93,15 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     # -- requests (asyncio side) -------------------------------------------------
-    async def add(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                  arrival_time: float | None = None, queue: asyncio.Queue | None = None, **options) -> asyncio.Queue:
+    async def add(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        queue: asyncio.Queue | None = None,
+        **options,
+    ) -> asyncio.Queue:
         """Queue a request; raises the engine's ``ValueError`` if it rejects it.
 
         ``queue`` receives its outputs (a new one if None; pass one queue for
@@ -141,8 +149,9 @@ class AsyncEngine:
             for rid in pending:
                 self.abort(rid)
 
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, arrival_time: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """``add`` then ``outputs``: the whole request as one async iterator."""
         q = await self.add(request_id, prompt, params, arrival_time)
         async with contextlib.aclosing(self.outputs(request_id, q)) as outs:
@@ -182,8 +191,12 @@ class AsyncEngine:
     def _fresh_stats(self):
         """``engine.stats`` with gauges read now (an abort between steps leaves its gauges stale)."""
         snap = self.snapshot
-        return dataclasses.replace(self.engine.stats, num_running=snap["num_requests_running"],
-                                   num_waiting=snap["num_requests_waiting"], kv_usage=snap["kv_cache_usage_perc"])
+        return dataclasses.replace(
+            self.engine.stats,
+            num_running=snap["num_requests_running"],
+            num_waiting=snap["num_requests_waiting"],
+            kv_usage=snap["kv_cache_usage_perc"],
+        )
 
     def _fresh_stats_logger(self) -> StatsLogger:
         """A logger whose throughput window starts now, not at the end of the last busy period."""

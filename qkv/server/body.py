@@ -34,8 +34,9 @@ async def read_json(request: Request, limit: int) -> object:
     try:
         data = json.loads(body)
     except RecursionError:
-        raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
-                       code="invalid_json") from None
+        raise APIError(
+            400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json"
+        ) from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers too long to convert
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     check_json(data)
@@ -52,8 +53,9 @@ def check_json(data: object, max_depth: int = MAX_JSON_DEPTH) -> None:
             _check_text(obj, field)
             continue
         if depth > max_depth:
-            raise APIError(400, f"the request body is nested more than {max_depth} levels deep", param=field,
-                           code="invalid_json")
+            raise APIError(
+                400, f"the request body is nested more than {max_depth} levels deep", param=field, code="invalid_json"
+            )
         if isinstance(obj, dict):
             for key, value in obj.items():
                 _check_text(key, field)
@@ -68,5 +70,8 @@ def _check_text(text: str, field: str | None) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         where = "the request body" if field is None else f"'{field}'"
-        raise APIError(400, f"{where} holds a lone surrogate (U+{ord(text[e.start]):04X}), which is not valid "
-                            f"Unicode text", param=field) from None
+        raise APIError(
+            400,
+            f"{where} holds a lone surrogate (U+{ord(text[e.start]):04X}), which is not valid Unicode text",
+            param=field,
+        ) from None

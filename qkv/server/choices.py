@@ -45,9 +45,9 @@ class Batch:
 
     ids: list[str]
     n: int
-    logprobs: int | None = None          # alternatives per token; None: no logprobs
-    echoes: list[Echo] | None = None     # completions with echo: one per prompt
-    echo_only: bool = False              # echo with max_tokens 0: the generated token is dropped
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+    echoes: list[Echo] | None = None  # completions with echo: one per prompt
+    echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
     prompt_of: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,18 +70,34 @@ class Batch:
                 if echo is not None:
                     text = echo.text + text
                     ids, positions = out.prompt_token_ids + ids, (out.prompt_logprobs or []) + positions
-                lp = None if self.logprobs is None else CompletionLogprobs()(
-                    ids, positions, echo.first_token if echo else "")
-                choices.append({"index": self.index(out, comp.index), "text": text, "logprobs": lp,
-                                "finish_reason": comp.finish_reason})
+                lp = (
+                    None
+                    if self.logprobs is None
+                    else CompletionLogprobs()(ids, positions, echo.first_token if echo else "")
+                )
+                choices.append(
+                    {
+                        "index": self.index(out, comp.index),
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": comp.finish_reason,
+                    }
+                )
         return sorted(choices, key=lambda c: c["index"])
 
     def chat_choices(self, finals: dict[str, RequestOutput]) -> list[dict]:
         out = finals[self.ids[0]]
-        return [{"index": comp.index, "message": {"role": "assistant", "content": comp.text},
-                 "logprobs": None if self.logprobs is None else
-                 chat_logprobs(comp.token_ids, comp.logprobs or [], self.logprobs),
-                 "finish_reason": comp.finish_reason} for comp in sorted(out.outputs, key=lambda c: c.index)]
+        return [
+            {
+                "index": comp.index,
+                "message": {"role": "assistant", "content": comp.text},
+                "logprobs": None
+                if self.logprobs is None
+                else chat_logprobs(comp.token_ids, comp.logprobs or [], self.logprobs),
+                "finish_reason": comp.finish_reason,
+            }
+            for comp in sorted(out.outputs, key=lambda c: c.index)
+        ]
 
     def usage(self, finals: dict[str, RequestOutput]) -> dict:
         return usage(list(finals.values()), self.echo_only)
@@ -92,12 +108,19 @@ def usage(finals: list[RequestOutput], echo_only: bool = False) -> dict:
     p = sum(len(out.prompt_token_ids) for out in finals)
     c = 0 if echo_only else sum(len(comp.token_ids) for out in finals for comp in out.outputs)
     cached = sum(out.num_cached_tokens for out in finals)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def failure(out: RequestOutput) -> APIError | None:
     """The engine aborted this request because it failed on it (a bug of ours, so a 500)."""
     error = next((c.error for c in out.outputs if c.error is not None), None)
-    return None if error is None else APIError(500, f"the engine failed on this request: {error}",
-                                               type="server_error", code=500)
+    return (
+        None
+        if error is None
+        else APIError(500, f"the engine failed on this request: {error}", type="server_error", code=500)
+    )

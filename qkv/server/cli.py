@@ -49,8 +49,7 @@ class GracefulServer(uvicorn.Server):
 
     async def _cut_after_timeout(self) -> None:
         await asyncio.sleep(self.shutdown_timeout)
-        logger.warning("--shutdown-timeout of %.1f s reached: ending the requests still running",
-                       self.shutdown_timeout)
+        logger.warning("--shutdown-timeout of %.1f s reached: ending the requests still running", self.shutdown_timeout)
         await self.engine.stop()
 
 
@@ -58,17 +57,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("QKV_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $QKV_API_KEY; /health stays open)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in 'model' (default: the MODEL argument); the first is reported")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("QKV_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $QKV_API_KEY; /health stays open)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model' (default: the MODEL argument); the first is reported",
+    )
     p.add_argument("--max-request-body", default="1MiB", help="largest accepted request body (413 beyond)")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines while busy")
     p.add_argument("--disable-log-stats", action="store_true")
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
-    p.add_argument("--shutdown-timeout", type=float, default=60.0,
-                   help="on SIGTERM, wait this long for in-flight requests, then end them with an error "
-                        "(streams: an SSE error event and [DONE])")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=60.0,
+        help="on SIGTERM, wait this long for in-flight requests, then end them with an error "
+        "(streams: an SSE error event and [DONE])",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -89,12 +99,24 @@ def serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model]
     engine = LLMEngine(EngineConfig(model=args.model, **engine_kwargs(args)))
     metrics = ServerMetrics(names[0])
-    async_engine = AsyncEngine(engine, metrics, log_interval=args.log_interval,
-                               log_stats=not args.disable_log_stats)
-    app = build_app(async_engine, names, metrics, api_key=args.api_key or None, max_body_bytes=max_body,
-                    max_model_len=engine.max_model_len, model_root=str(engine.model_path))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            access_log=not args.disable_uvicorn_access_log, lifespan="on")
+    async_engine = AsyncEngine(engine, metrics, log_interval=args.log_interval, log_stats=not args.disable_log_stats)
+    app = build_app(
+        async_engine,
+        names,
+        metrics,
+        api_key=args.api_key or None,
+        max_body_bytes=max_body,
+        max_model_len=engine.max_model_len,
+        model_root=str(engine.model_path),
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        access_log=not args.disable_uvicorn_access_log,
+        lifespan="on",
+    )
     server = GracefulServer(config, async_engine, args.shutdown_timeout)
     # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal it caught once its own
     # handlers are gone. Handlers that ignore it make that re-raise harmless, so a drained server exits 0.

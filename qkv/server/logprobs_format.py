@@ -17,8 +17,11 @@ def json_logprob(x: float) -> float:
 
 
 def _chat_entry(lp: Logprob) -> dict:
-    return {"token": lp.decoded_token, "logprob": json_logprob(lp.logprob),
-            "bytes": list(lp.decoded_token.encode("utf-8", "replace"))}
+    return {
+        "token": lp.decoded_token,
+        "logprob": json_logprob(lp.logprob),
+        "bytes": list(lp.decoded_token.encode("utf-8", "replace")),
+    }
 
 
 def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> dict:
@@ -48,8 +51,9 @@ class CompletionLogprobs:
     def __init__(self) -> None:
         self.offset = 0
 
-    def __call__(self, token_ids: list[int], positions: list[PositionLogprobs | None],
-                 first_token_text: str = "") -> dict:
+    def __call__(
+        self, token_ids: list[int], positions: list[PositionLogprobs | None], first_token_text: str = ""
+    ) -> dict:
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token, pos in zip(token_ids, positions):
             if pos is None:

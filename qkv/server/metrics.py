@@ -16,12 +16,74 @@ from ..offload import OFFLOAD_COUNTERS, OFFLOAD_GAUGES
 __all__ = ["ServerMetrics", "snapshot_engine"]
 
 # vLLM's bucket boundaries.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def snapshot_engine(engine) -> dict:
@@ -83,14 +145,29 @@ class ServerMetrics:
         self._source = dict
         self.registry.register(_EngineCollector(lambda: self._source(), labels))
         lab = ["model_name"]
-        self.ttft = Histogram("qkv:time_to_first_token_seconds", "Time to first token.", lab,
-                              buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("qkv:inter_token_latency_seconds", "Time between consecutive output tokens.", lab,
-                             buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("qkv:e2e_request_latency_seconds", "Arrival to last token.", lab,
-                             buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
-        self._success = Counter("qkv:request_success", "Finished requests by finish reason.",
-                                lab + ["finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "qkv:time_to_first_token_seconds", "Time to first token.", lab, buckets=TTFT_BUCKETS, registry=self.registry
+        ).labels(model_name)
+        self.itl = Histogram(
+            "qkv:inter_token_latency_seconds",
+            "Time between consecutive output tokens.",
+            lab,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "qkv:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            lab,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._success = Counter(
+            "qkv:request_success",
+            "Finished requests by finish reason.",
+            lab + ["finished_reason"],
+            registry=self.registry,
+        )
         self.model_name = model_name
 
     def watch(self, source) -> None:

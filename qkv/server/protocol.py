@@ -29,8 +29,14 @@ __all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionReques
 class APIError(Exception):
     """An error the client caused (or is told about), rendered as OpenAI's ``{"error": {...}}``."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -38,8 +44,9 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | int | None = None
+) -> dict:
     """OpenAI's error object. Text that echoes client input is made encodable (a lone surrogate becomes
     the six characters ``\\ud800``), so rendering an error can never fail in its turn."""
     return {"error": {"message": printable(message), "type": type, "param": printable(param), "code": code}}
@@ -60,7 +67,7 @@ def _finite(ge: float | None = None, le: float | None = None, gt: float | None =
     return Annotated[float, Field(ge=ge, le=le, gt=gt, allow_inf_nan=False)]
 
 
-_INT64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]
+_INT64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 _TOP = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -99,8 +106,12 @@ class _SamplingFields(_Strict):
                 raise APIError(400, f"{name} is not supported by qkv (send 0 or leave it out)", param=name)
         n = 1 if self.n is None else self.n
         if self.stream and self.best_of is not None and self.best_of != n:
-            raise APIError(400, f"best_of must equal n ({n}) when streaming: which samples are the best is "
-                                f"known only when all have finished", param="best_of")
+            raise APIError(
+                400,
+                f"best_of must equal n ({n}) when streaming: which samples are the best is "
+                f"known only when all have finished",
+                param="best_of",
+            )
 
     def sample_logprobs(self) -> int | None:
         """``SamplingParams.logprobs``: how many alternatives per sampled token (None: no logprobs)."""
@@ -175,8 +186,12 @@ class CompletionRequest(_SamplingFields):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.logprobs is True:
-            raise APIError(400, f"logprobs on /v1/completions is the number of alternatives per token, "
-                                f"an integer in [0, {MAX_LOGPROBS}], not true", param="logprobs")
+            raise APIError(
+                400,
+                f"logprobs on /v1/completions is the number of alternatives per token, "
+                f"an integer in [0, {MAX_LOGPROBS}], not true",
+                param="logprobs",
+            )
         if self.suffix:
             raise APIError(400, "suffix is not supported by qkv", param="suffix")
 

@@ -43,8 +43,12 @@ class OpenAIServing:
         if name is None or name in self.model_names:
             return self.model_name if name is None else name
         shown = name if len(name) <= 200 else name[:200] + "..."
-        raise APIError(404, f"The model `{shown}` does not exist. Served: {', '.join(self.model_names)}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{shown}` does not exist. Served: {', '.join(self.model_names)}",
+            param="model",
+            code="model_not_found",
+        )
 
     # -- entry points ---------------------------------------------------------
     async def completions(self, request: Request, data: object) -> Response:
@@ -86,15 +90,26 @@ class OpenAIServing:
         try:
             for rid, prompt in zip(batch.ids, prompts):
                 # strict_max_tokens: a max_tokens past the context is a 400, as in vLLM, not silently clamped.
-                await self.engine.add(rid, prompt, params, arrival, queue=queue, cache_salt=req.cache_salt,
-                                      strict_max_tokens=True)
+                await self.engine.add(
+                    rid, prompt, params, arrival, queue=queue, cache_salt=req.cache_salt, strict_max_tokens=True
+                )
                 added.append(rid)
         except BaseException:
             self._abort(added)
             raise
 
-    async def _serve(self, request: Request, req, rid: str, batch: Batch, model: str, prompts: list, params,
-                     prompt_param: str, chat: bool) -> Response:
+    async def _serve(
+        self,
+        request: Request,
+        req,
+        rid: str,
+        batch: Batch,
+        model: str,
+        prompts: list,
+        params,
+        prompt_param: str,
+        chat: bool,
+    ) -> Response:
         queue: asyncio.Queue = asyncio.Queue()
         try:
             await self._add(req, batch, prompts, params, queue)
@@ -108,15 +123,22 @@ class OpenAIServing:
         except Exception as e:  # e.g. a chat template that rejects the roles given
             raise APIError(400, f"cannot build the prompt: {type(e).__name__}: {e}", param=prompt_param) from None
         outputs = self.engine.outputs(batch.ids, queue)
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": model}
+        base = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
         if req.stream:
             stream = chat_stream if chat else completion_stream
             # The background abort covers a client gone before the stream's first chunk (the generators'
             # own clean-up never runs then); for finished requests it is a no-op.
-            return StreamingResponse(stream(outputs, batch, base, params.stop, req.include_usage),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS,
-                                     background=BackgroundTask(self._abort, batch.ids))
+            return StreamingResponse(
+                stream(outputs, batch, base, params.stop, req.include_usage),
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
+                background=BackgroundTask(self._abort, batch.ids),
+            )
         finals = await _until_done_or_disconnect(request, outputs)
         if finals is None:  # client left: the requests were aborted
             return Response(status_code=499)
@@ -124,16 +146,23 @@ class OpenAIServing:
             if failure(out) is not None:
                 raise failure(out)
         choices = batch.chat_choices(finals) if chat else batch.completion_choices(finals)
-        return JSONResponse({**base, "object": "chat.completion" if chat else "text_completion",
-                             "choices": choices, "usage": batch.usage(finals)})
+        return JSONResponse(
+            {
+                **base,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": choices,
+                "usage": batch.usage(finals),
+            }
+        )
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.engine.abort(rid)
 
 
-async def _until_done_or_disconnect(request: Request,
-                                    outputs: AsyncIterator[RequestOutput]) -> dict[str, RequestOutput] | None:
+async def _until_done_or_disconnect(
+    request: Request, outputs: AsyncIterator[RequestOutput]
+) -> dict[str, RequestOutput] | None:
     """Run non-streaming requests to the end (their last outputs by id); abort them if the client leaves first."""
 
     async def collect() -> dict[str, RequestOutput]:

@@ -43,7 +43,7 @@ class TextDeltas:
                 end -= 1
         if end <= self.sent:
             return ""
-        delta, self.sent = text[self.sent:end], end
+        delta, self.sent = text[self.sent : end], end
         return delta
 
 
@@ -66,7 +66,7 @@ class _Choice:
         self.done = False
 
     def new_tokens(self, comp: CompletionOutput) -> tuple[list[int], list]:
-        ids, positions = comp.token_ids[self.num_tokens:], (comp.logprobs or [])[self.num_tokens:]
+        ids, positions = comp.token_ids[self.num_tokens :], (comp.logprobs or [])[self.num_tokens :]
         self.num_tokens = len(comp.token_ids)
         return ids, positions
 
@@ -86,8 +86,9 @@ async def _choices(outputs: AsyncIterator[RequestOutput], batch: Batch, stop: li
                 state.started, state.done = True, comp.finish_reason is not None
 
 
-async def _stream(outputs: AsyncIterator[RequestOutput], batch: Batch, stop: list[str], base: dict,
-                  include_usage: bool, render) -> AsyncIterator[str]:
+async def _stream(
+    outputs: AsyncIterator[RequestOutput], batch: Batch, stop: list[str], base: dict, include_usage: bool, render
+) -> AsyncIterator[str]:
     finals: dict[str, RequestOutput] = {}
     async with contextlib.aclosing(outputs), contextlib.aclosing(_choices(outputs, batch, stop, finals)) as choices:
         try:
@@ -103,8 +104,9 @@ async def _stream(outputs: AsyncIterator[RequestOutput], batch: Batch, stop: lis
     yield sse("[DONE]")
 
 
-def completion_stream(outputs: AsyncIterator[RequestOutput], batch: Batch, base: dict, stop: list[str],
-                      include_usage: bool) -> AsyncIterator[str]:
+def completion_stream(
+    outputs: AsyncIterator[RequestOutput], batch: Batch, base: dict, stop: list[str], include_usage: bool
+) -> AsyncIterator[str]:
     extra = {"usage": None} if include_usage else {}
 
     def render(out: RequestOutput, comp: CompletionOutput, index: int, state: _Choice):
@@ -115,22 +117,32 @@ def completion_stream(outputs: AsyncIterator[RequestOutput], batch: Batch, base:
         if echo is not None and not state.started:
             text = echo.text + text
             ids, positions = out.prompt_token_ids + ids, (out.prompt_logprobs or []) + positions
-        lp = None if batch.logprobs is None or not ids else state.logprobs(
-            ids, positions, echo.first_token if echo else "")
+        lp = (
+            None
+            if batch.logprobs is None or not ids
+            else state.logprobs(ids, positions, echo.first_token if echo else "")
+        )
         if text or finished or lp:
-            yield {**base, "choices": [{"index": index, "text": text, "logprobs": lp,
-                                        "finish_reason": comp.finish_reason}], **extra}
+            yield {
+                **base,
+                "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": comp.finish_reason}],
+                **extra,
+            }
 
     return _stream(outputs, batch, stop, base, include_usage, render)
 
 
-async def chat_stream(outputs: AsyncIterator[RequestOutput], batch: Batch, base: dict, stop: list[str],
-                      include_usage: bool) -> AsyncIterator[str]:
+async def chat_stream(
+    outputs: AsyncIterator[RequestOutput], batch: Batch, base: dict, stop: list[str], include_usage: bool
+) -> AsyncIterator[str]:
     extra = {"usage": None} if include_usage else {}
 
     def chunk(index: int, delta: dict, finish: str | None, logprobs: dict | None = None) -> dict:
-        return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                     "finish_reason": finish}], **extra}
+        return {
+            **base,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            **extra,
+        }
 
     def render(out: RequestOutput, comp: CompletionOutput, index: int, state: _Choice):
         finished = comp.finish_reason is not None
