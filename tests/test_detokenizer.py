@@ -60,7 +60,7 @@ def test_engine_text_is_the_full_decode_and_work_is_constant(tiny_dir, monkeypat
     monkeypatch.setattr(engine.pool, "cache_full_block", lambda b, h: published.append(b.block_id) or real_cache(b, h))
     params = SamplingParams(temperature=0.9, seed=7, max_tokens=300, ignore_eos=True)
     rid = engine.add_request("The quick brown fox", params)
-    seq = engine.requests[rid]
+    seq = engine.requests[rid].seqs[0]  # n=1: the request's one sequence
     tokens_list = seq.all_token_ids
 
     def full(out):
