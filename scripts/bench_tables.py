@@ -1,0 +1,93 @@
+"""Print the README's benchmark tables from the JSON files that scripts/bench_cpu.sh writes.
+
+    python scripts/bench_tables.py [eval/results/bench]
+
+Every ratio printed here was measured side by side in one run of one mode; the tables only reformat them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(folder: Path, name: str) -> dict | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _env(rep: dict) -> str:
+    env = rep["env"]
+    before = ", ".join(f"{x:.2f}" for x in env["load_average_before"])
+    return f"{env['cpu']}, {env['threads']} threads, load average before the run {before}"
+
+
+def throughput(rep: dict) -> list[str]:
+    p = rep["params"]
+    rows = [
+        f"Fixed KV budget: {p['num_requests']} requests x {p['prompt_len']} prompt tokens, {p['output_len']} output "
+        f"tokens, `--kv-cache-memory {rep['engine'].get('kv_cache_memory')}` ({_env(rep)}):",
+        "",
+        "| kv-cache dtype | KV budget (tokens) | output tok/s | ratio to bf16 | preemptions | peak running |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for label, r in rep["results"].items():
+        runs = r["runs"]
+        rows.append(
+            f"| {label} | {r['kv_budget_tokens']:,} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['ratio_to_' + rep['baseline']]:.2f}x | "
+            f"{max(x['preemptions'] for x in runs)} | {max(x['peak_running'] for x in runs)} |"
+        )
+    return rows
+
+
+def latency(rep: dict) -> list[str]:
+    rows = [f"Latency, {rep['params']['prompt_len']}-token prompts, {rep['params']['output_len']} new tokens ({_env(rep)}):", ""]
+    rows += [
+        "| batch | config | TTFT ms | decode tok/s | decode vs qkv bf16 | decode vs transformers |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    base = rep["baseline"]
+    for batch, row in rep["results"].items():
+        for label, r in row.items():
+            rel = r.get(f"decode_ratio_to_{base}")
+            hf = r.get("decode_ratio_to_transformers")
+            rows.append(
+                f"| {batch.removeprefix('batch_')} | {label} | {r['ttft_ms']:.0f} | {r['decode_tokens_per_s']:.1f} | "
+                f"{'' if rel is None else f'{rel:.2f}x'} | {'' if hf is None else f'{hf:.2f}x'} |"
+            )
+    return rows
+
+
+def prefix(rep: dict) -> list[str]:
+    rows = [f"Prefix of {rep['params']['prefix_len']} tokens, cold prefill against a hit ({_env(rep)}):", ""]
+    tier = any("tier_hit_ttft_ms" in r for r in rep["results"].values())
+    base = rep["baseline"]
+    base_key = next(k for k in rep["results"] if k.startswith(base))  # with a tier: "bf16+ram"
+    head = f"| config | cold TTFT ms | cold vs {base_key} | hit TTFT ms | cold / hit |"
+    rows += [head + (" tier-hit TTFT ms | tier hit / cold | tier load share |" if tier else ""),
+             "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if tier else "")]
+    for label, r in rep["results"].items():
+        line = (f"| {label} | {r['cold_ttft_ms']:.0f} | {r['cold_ttft_ratio_to_' + base_key]:.2f}x | "
+                f"{r['hit_ttft_ms']:.1f} | {r['cold_over_hit']:.1f}x |")
+        if tier:
+            line += (f" {r['tier_hit_ttft_ms']:.1f} | {r['tier_hit_over_cold']:.3f} | "
+                     f"{r['tier_load_share_of_ttft']:.2f} |")
+        rows.append(line)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    folder = Path(argv[0] if argv else "eval/results/bench")
+    for name, render in (("throughput_smollm2.json", throughput), ("latency_smollm2.json", latency),
+                         ("prefix_smollm2.json", prefix), ("prefix_offload_smollm2.json", prefix)):
+        rep = _load(folder, name)
+        if rep is not None:
+            print(f"<!-- {folder / name} -->")
+            print("\n".join(render(rep)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
