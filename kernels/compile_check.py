@@ -58,6 +58,11 @@ def _options_kwargs(launch_kwargs: dict) -> dict:
     return kw
 
 
+def _lib_names(options: dict) -> list:
+    """``extern_libs`` with file names only, so an id is the same in every checkout and venv."""
+    return [[name, Path(path).name] for name, path in options.get("extern_libs") or ()]
+
+
 def specializations(launches: list, arch: int) -> list[dict]:
     """Unique compile jobs for ``arch``, built the way ``JITFunction.run`` builds them."""
     from triton.backends.compiler import GPUTarget
@@ -95,7 +100,8 @@ def specializations(launches: list, arch: int) -> list[dict]:
                 "signature": signature,
                 "constexprs": spec["constexprs"],
                 "attrs": spec["attrs"],
-                "_options": spec["_options"],
+                # the libdevice path names this install's site-packages; the id must not
+                "_options": {**spec["_options"], "extern_libs": _lib_names(spec["_options"])},
             },
             sort_keys=True,
             default=str,

@@ -81,3 +81,32 @@ def test_every_specialization_compiles_for_four_archs_without_spills(tmp_path):
     resources = (lambda rep: {(r["arch"], r["id"]): (r["reg"], r["stack"], r["spill_stores"], r["dynamic_shared"])
                               for r in rep["results"]})
     assert resources(committed) == resources(report), "regenerate: python -m qkv.kernels.compile_check"
+
+
+
+_IDS = """
+import json, sys
+from qkv.kernels.compile_check import specializations
+from qkv.kernels.compile_specs import drive
+specs = [s for arch in (80, 90) for s in specializations(drive(arch), arch)]
+print(json.dumps({"libs": sorted({s["_options"]["extern_libs"][0][1] for s in specs}),
+                  "ids": sorted([s["arch"], s["id"]] for s in specs)}))
+"""
+
+
+def test_specialization_ids_match_the_committed_report_wherever_triton_is_installed():
+    """Ids name a specialization, not a checkout: libdevice's path (inside site-packages) stays out of them.
+
+    A relocated libdevice stands in for another venv; the ids must still equal the committed
+    ones, or the slow compile test above fails on every machine but the one that wrote them.
+    Seconds, not minutes: it captures and hashes, it does not compile.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_LIBDEVICE_PATH"] = "/elsewhere/site-packages/triton/lib/libdevice.10.bc"
+    proc = subprocess.run([sys.executable, "-c", _IDS], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["libs"] == [env["TRITON_LIBDEVICE_PATH"]]
+    committed = json.loads(RESULTS.read_text())
+    assert got["ids"] == sorted([r["arch"], r["id"]] for r in committed["results"] if r["arch"] in (80, 90))
