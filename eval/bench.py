@@ -9,8 +9,9 @@ Three modes, all writing one JSON file whose ratios the README quotes:
 * ``latency``: for each ``--batch-sizes`` entry, the time until every sequence of the
   batch has its first token (TTFT of the batch) and the decode rate after it, in one
   run of ``--output-len`` tokens, for every dtype and for
-  ``transformers.generate`` on the same weights and token ids; ratios to the first
-  dtype and to transformers.
+  ``transformers.generate`` on the same weights and token ids (and, where qkv multiplies
+  a 16-bit model in fp32, transformers under the same arithmetic: eval/bench_transformers.py);
+  ratios to the first dtype and to transformers.
 * ``prefix``: TTFT of a ``--prefix-len``-token prompt on a cold cache, then of the same
   prefix plus 4 new tokens (a prefix-cache hit); ``cold / hit`` per dtype, and the
   cold TTFT (a batch-1 prefill) against the baseline's. With ``--kv-offloading-size``,
@@ -37,7 +38,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from qkv.config import EngineConfig
 from qkv.engine import LLMEngine
@@ -45,6 +45,7 @@ from qkv.kernels.cpu_attention import CpuKernels
 from qkv.offload import evict_free_blocks
 from qkv.sequence import RequestOutput
 
+from .bench_transformers import load_baselines
 from .configs import EvalConfig, parse_configs
 from .latency import random_prompts, rotate_order, run_requests
 
@@ -121,51 +122,10 @@ def _throughput(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]
     }
 
 
-class _FirstTokenTime:
-    """A ``transformers`` streamer that notes when the first generated token arrives (the prompt comes first)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-        self.first: float | None = None
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2:
-            self.first = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
-def _hf_run(model, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
-    """(TTFT of the batch, total seconds) for ``transformers.generate`` on the same token ids."""
-    ids = torch.tensor(prompts, device=model.device)
-    streamer = _FirstTokenTime()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-            streamer=streamer,
-        )
-    return streamer.first - t0, time.perf_counter() - t0
-
-
 def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -> dict:
     first = next(iter(engines.values()))
-    hf = None
-    if args.transformers:
-        hf = (
-            AutoModelForCausalLM.from_pretrained(str(first.model_path), dtype=first.dtype, attn_implementation="sdpa")
-            .to(first.device)
-            .eval()
-        )
-        _hf_run(hf, random_prompts(vocab, 1, 16, args.seed + 999, avoid), 2)  # first calls initialise lazily
-    labels = list(engines) + (["transformers"] if hf is not None else [])
+    hf = load_baselines(first, random_prompts(vocab, 1, 16, args.seed + 999, avoid)) if args.transformers else {}
+    labels = list(engines) + list(hf)
     out: dict = {}
     for b in args.batch_sizes:
         ttft: dict[str, list[float]] = {k: [] for k in labels}
@@ -173,8 +133,8 @@ def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -
         for r in range(args.repeats):
             prompts = random_prompts(vocab, b, args.prompt_len, args.seed + 100 * r + b, avoid)
             for label in rotate_order(labels, r):
-                if label == "transformers":
-                    t_first, total = _hf_run(hf, prompts, args.output_len)
+                if label in hf:
+                    t_first, total = hf[label].run(prompts, args.output_len)
                 else:
                     t_first, total = run_requests(engines[label], prompts, args.output_len)[:2]
                 ttft[label].append(t_first)
@@ -195,7 +155,7 @@ def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -
             }
             row[label]["decode_ratio_to_" + base] = _median_ratio(rate, base)[label]
             row[label]["ttft_ratio_to_" + base] = _median_ratio(ttft, base)[label]
-            if hf is not None:
+            if hf:
                 row[label]["decode_ratio_to_transformers"] = _median_ratio(rate, "transformers")[label]
                 row[label]["ttft_ratio_to_transformers"] = _median_ratio(ttft, "transformers")[label]
         out[f"batch_{b}"] = row
@@ -331,6 +291,7 @@ def run_bench(args, engine_kwargs: dict) -> dict:
         "dtype": str(first.dtype).replace("torch.", ""),
         "device": str(first.device),
         "attention_backend": first.backend.name,
+        "cpu_matmul": "float32" if first.matmul_fp32 else "model",
         "configs": [c.to_json() for c in configs],
         "baseline": configs[0].label,
         "params": {

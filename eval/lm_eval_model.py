@@ -76,6 +76,7 @@ class QKVLM(TemplateLM):
         kv_cache_dtype_skip_layers=None,
         kv_rotation: str = _ENGINE_DEFAULTS["kv_rotation"],
         kv_cache_memory: str = EvalArgs.kv_cache_memory,
+        cpu_matmul_dtype: str = _ENGINE_DEFAULTS["cpu_matmul_dtype"],
         max_length: int | None = None,
         max_gen_toks: int = 256,
         add_bos_token: bool | None = None,
@@ -98,6 +99,7 @@ class QKVLM(TemplateLM):
             kv_cache_dtype_skip_layers=parse_skip(kv_cache_dtype_skip_layers),
             kv_rotation=kv_rotation or _ENGINE_DEFAULTS["kv_rotation"],
             kv_cache_memory=kv_cache_memory,
+            cpu_matmul_dtype=cpu_matmul_dtype,
             max_model_len=max_model_len,
             device=device,
         )

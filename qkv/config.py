@@ -128,6 +128,12 @@ def _rotations() -> tuple[str, ...]:
     return ("auto", *ROTATIONS)
 
 
+def _cpu_matmul_dtypes() -> tuple[str, ...]:
+    from .cpu_linear import CPU_MATMUL_DTYPES
+
+    return CPU_MATMUL_DTYPES
+
+
 def _attention_backends() -> tuple[str, ...]:
     from .attention import ATTENTION_BACKENDS
 
@@ -212,6 +218,13 @@ class EngineConfig:
         "fixed-shape GEMM tiles and (on the cpu backend) row-invariant "
         "attention: a request's tokens do not depend on what it is batched with, how its "
         "prefill is chunked or prefix-cache hits (slower)",
+    )
+    cpu_matmul_dtype: str = option(
+        "auto",
+        "qkv extension: what a 16-bit model's linear layers multiply in on a CPU: float32 (exact upcasts, "
+        "one rounding back; several times faster where the CPU has no bf16/fp16 matrix instructions), "
+        "model (the weights' own dtype, as transformers does), auto (float32 on such CPUs, else model)",
+        choices=_cpu_matmul_dtypes,
     )
     kv_offloading_size: float | int | None = option(
         None,

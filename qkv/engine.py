@@ -12,6 +12,7 @@ import torch
 from .attention import get_backend
 from .block_pool import BlockPool
 from .config import EngineConfig, parse_size
+from .cpu_linear import linear_modes, resolve_cpu_matmul
 from .detokenizer import IncrementalDetokenizer, make_decoder
 from .kv_cache import KVCache, capacity_line, plan_num_blocks
 from .kv_cache_manager import KVCacheManager, cdiv
@@ -96,7 +97,10 @@ class LLMEngine:
         # the second tier of prefix blocks (qkv.offload); None unless kv_offloading_size is set
         self.offload = build_offload(config, self.model_path, self.dtype, self.cache, self.pool, self.kv_manager)
         self.backend = get_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, config.batch_invariant)
+        # fp32 GEMMs for a 16-bit model on a CPU without 16-bit matrix units (qkv.cpu_linear)
+        self.matmul_fp32 = resolve_cpu_matmul(config.cpu_matmul_dtype, self.dtype, self.device)
+        modes = linear_modes(self.model, self.matmul_fp32, config.batch_invariant)
+        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, modes)
         self.stats = EngineStats()
         self.eos_token_ids = self._eos_ids()
         self._decoders = {skip: make_decoder(self.tokenizer, skip) for skip in (False, True)}

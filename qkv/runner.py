@@ -11,12 +11,12 @@ token, and the prompt positions whose logprobs were asked for, produce logits
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .attention import AttentionBackend, StepContext
-from .batch_invariant import BatchInvariantLinear
 from .kv_cache import KVCache
 from .scheduler import SchedulerOutput
 
@@ -104,10 +104,12 @@ class ModelRunner:
         cache: KVCache,
         backend: AttentionBackend,
         device: torch.device,
-        batch_invariant: bool = False,
+        linear_modes: Sequence[Callable[[], contextlib.AbstractContextManager]] = (),
     ) -> None:
+        """``linear_modes``: factories of the function modes every forward runs under, entered in order
+        (the last one sees a call first): how the linears multiply (qkv.cpu_linear, qkv.batch_invariant)."""
         self.model = model
-        self.batch_invariant = batch_invariant
+        self.linear_modes = tuple(linear_modes)
         self.cache = cache
         self.backend = backend
         self.device = device
@@ -133,8 +135,9 @@ class ModelRunner:
         """
         idx = inp.logits_indices if logits_indices is None else list(logits_indices)
         ctx = self.context(inp, observer)
-        mode = BatchInvariantLinear() if self.batch_invariant else contextlib.nullcontext()
-        with mode:
+        with contextlib.ExitStack() as modes:
+            for make in self.linear_modes:
+                modes.enter_context(make())
             out = self.model(
                 input_ids=torch.tensor([inp.input_ids], device=self.device),
                 position_ids=torch.tensor([inp.positions], device=self.device),

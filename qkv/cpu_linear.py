@@ -1,0 +1,123 @@
+"""Linear layers of a 16-bit model multiplied in fp32 on CPUs without 16-bit matrix instructions.
+
+Why: on an x86 CPU without AVX512-BF16 or AMX, torch's bf16 (and fp16) GEMM converts
+inside its inner loop and runs at a fraction of the fp32 GEMM's rate. Measured on this
+project's 2-core AMD EPYC (AVX2): a ``[512, 576] x [576, 1536]`` linear takes 56 ms in
+bf16 and 8 ms in fp32 (16 against 110 GFLOP/s). Every forward of a bf16 model is made
+of such GEMMs, so prefill and batched decode run several times faster when each linear
+multiplies the exact fp32 upcasts of its bf16 operands and rounds the result back to
+bf16 once: what the bf16 kernel itself computes (an fp32 accumulation of exact products,
+one rounding), in another summation order. Activations, norms, attention and the KV
+cache stay in the model's dtype; only the GEMMs' insides change.
+
+A call with few rows is bound by reading the weights, not by arithmetic, and there an
+fp32 copy (twice the bytes) is slower: streaming ``[1536, 576]`` weights from memory, a
+2-row call takes 655 us in fp32 against 257 us in bf16, and the two meet at 6-10 rows
+(the 49152-row LM head last). Calls of fewer than :data:`MIN_ROWS` rows therefore keep
+the model's own GEMM, which also leaves small-batch decode steps the arithmetic of
+``transformers.generate``.
+
+:class:`Fp32Linear` swaps the linears' ``forward`` only while a forward runs, so the
+model object stays shareable with another engine or with ``transformers`` code. Its
+fp32 copies (one per distinct tensor) belong to it, built once per engine; they cost
+twice the linear weights' bf16 bytes in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .batch_invariant import BatchInvariantLinear
+
+__all__ = [
+    "CPU_MATMUL_DTYPES",
+    "Fp32Linear",
+    "MIN_ROWS",
+    "linear_modes",
+    "native_16bit_matmul",
+    "resolve_cpu_matmul",
+]
+
+CPU_MATMUL_DTYPES = ("auto", "model", "float32")
+MIN_ROWS = 8  # rows per call from which fp32 wins here; fewer are bound by reading the weights (module docstring)
+
+
+def native_16bit_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` matrices in hardware (AVX512-BF16 or AMX)."""
+    cpu = torch.cpu
+    if dtype == torch.bfloat16:
+        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    if dtype == torch.float16:
+        return bool(cpu._is_amx_fp16_supported())
+    return True
+
+
+def resolve_cpu_matmul(setting: str, model_dtype: torch.dtype, device: torch.device) -> bool:
+    """True when the linears should multiply in fp32: ``float32`` always (16-bit weights on a CPU),
+    ``auto`` where :func:`native_16bit_matmul` says the CPU lacks 16-bit matrix instructions."""
+    if setting not in CPU_MATMUL_DTYPES:
+        raise ValueError(f"cpu_matmul_dtype must be one of {', '.join(CPU_MATMUL_DTYPES)}, got {setting!r}")
+    if device.type != "cpu" or model_dtype not in (torch.bfloat16, torch.float16) or setting == "model":
+        return False
+    return setting == "float32" or not native_16bit_matmul(model_dtype)
+
+
+class Fp32Linear:
+    """While entered, every ``nn.Linear`` of ``model`` with 16-bit weights computes, for an input of at least
+    ``min_rows`` rows, ``F.linear(x.float(), w.float(), b.float()).to(x.dtype)`` from cached fp32 copies.
+
+    Entering swaps each module's ``forward`` for the fp32 one and leaving restores it (a function mode
+    would run Python for every op of the forward: 13 ms per decode step here). The copies are made once,
+    one per distinct tensor, so tied weights are converted once. Under ``--batch-invariant`` pass
+    ``min_rows=1``: the choice must not depend on the row count, and the fixed-shape tiles of
+    :class:`~qkv.batch_invariant.BatchInvariantLinear` then apply to the fp32 call.
+    """
+
+    def __init__(self, model: torch.nn.Module, min_rows: int = MIN_ROWS) -> None:
+        self.min_rows = min_rows
+        copies: dict[int, torch.Tensor] = {}  # id of a parameter the model holds -> its fp32 copy
+
+        def fp32(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in copies:
+                copies[id(t)] = t.detach().float()
+            return copies[id(t)]
+
+        self.linears = [
+            (m, fp32(m.weight), None if m.bias is None else fp32(m.bias))
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.bfloat16, torch.float16)
+        ]
+
+    def __enter__(self) -> Fp32Linear:
+        for m, w32, b32 in self.linears:
+            setattr(m, "forward", functools.partial(self._forward, m, w32, b32))  # noqa: B010 (an instance attribute)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, _, _ in self.linears:
+            m.__dict__.pop("forward", None)
+
+    def _forward(self, m: torch.nn.Linear, w32: torch.Tensor, b32: torch.Tensor | None, x: torch.Tensor):
+        if x.numel() < self.min_rows * x.shape[-1]:
+            return F.linear(x, m.weight, m.bias)
+        return F.linear(x.float(), w32, b32).to(x.dtype)
+
+
+def linear_modes(
+    model: torch.nn.Module, fp32: bool, batch_invariant: bool
+) -> list[Callable[[], contextlib.AbstractContextManager]]:
+    """The runner's modes, in the order it enters them: fp32 GEMMs if ``fp32`` (see :func:`resolve_cpu_matmul`),
+    then the fixed-shape tiles of ``--batch-invariant`` on top, so that every call is tiled before the fp32
+    mode sees it."""
+    modes: list[Callable[[], contextlib.AbstractContextManager]] = []
+    if fp32:
+        mode = Fp32Linear(model, min_rows=1 if batch_invariant else MIN_ROWS)
+        modes.append(lambda: mode)
+    if batch_invariant:
+        modes.append(BatchInvariantLinear)
+    return modes
