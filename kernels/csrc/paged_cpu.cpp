@@ -210,7 +210,10 @@ static inline u32x8 widen_u16(const uint16_t* p) {
 
 static inline f32x8 as_f32(u32x8 b) { f32x8 f; std::memcpy(&f, &b, 32); return f; }
 
-// Decode 8 stored elements to fp32 (exact for every format).
+// decode8 leaves a factor of 2^8 out of e4m3 values: the caller folds it into its scale.
+static inline float prescale(int32_t dtype) { return dtype == E4M3 ? 0x1p8f : 1.0f; }
+
+// Decode 8 stored elements to fp32, exact for every format; e4m3 values come out divided by prescale().
 static inline f32x8 decode8(const void* base, int64_t i, int32_t dtype) {
   switch (dtype) {
     case F32: return loadv(static_cast<const float*>(base) + i);
@@ -223,12 +226,31 @@ static inline f32x8 decode8(const void* base, int64_t i, int32_t dtype) {
       return as_f32(bits) * splat(0x1p112f);
     }
     case I8: return widen_i8(static_cast<const int8_t*>(base) + i);
-    case E4M3: {  // low 7 bits into fp32 exponent/mantissa, times 2^120; 0x7f/0xff is NaN
+    case E4M3: {
+#if defined(__AVX2__) && defined(__F16C__)
+      // The byte sign-extended to 16 bits and shifted left by 7 holds the sign in bit 15, a copy of it in
+      // bit 14 (cleared) and the 7 magnitude bits in 13..7: an fp16 of value * 2^-8, subnormals included,
+      // which F16C widens exactly (no fp32 subnormal is ever made: an fp32 multiply of one can take a
+      // microcode assist). The 2^8 is left to the caller (E4M3_PRESCALE). 0x7f/0xff must decode to NaN:
+      // their fp16 exponent is made all ones, only when 8 bytes hold one (a scalar test).
+      uint64_t raw;
+      std::memcpy(&raw, static_cast<const uint8_t*>(base) + i, 8);
+      __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_cvtsi64_si128((long long)raw)), 7),
+                                _mm_set1_epi16((short)0xbfff));
+      const uint64_t mag = raw & 0x7f7f7f7f7f7f7f7full;
+      if ((mag + 0x0101010101010101ull) & 0x8080808080808080ull) {  // some byte is 0x7f or 0xff
+        const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(h, _mm_set1_epi16(0x3f80)), _mm_set1_epi16(0x3f80));
+        h = _mm_or_si128(h, _mm_and_si128(nan, _mm_set1_epi16(0x7c00)));
+      }
+      return (f32x8)_mm256_cvtph_ps(h);
+#else
+      // low 7 bits into fp32 exponent/mantissa, times 2^120; 0x7f/0xff is NaN
       u32x8 b = widen_u8(static_cast<const uint8_t*>(base) + i);
       u32x8 rest = b & 0x7fu, sign = (b & 0x80u) << 24;
       u32x8 nan = (u32x8)(rest == 0x7fu);
       u32x8 bits = ((rest << 20) & ~nan) | (nan & 0x7fc00000u) | sign;
-      return as_f32(bits) * splat(0x1p120f);
+      return as_f32(bits) * splat(0x1p112f);  // 2^120 with E4M3_PRESCALE
+#endif
     }
     default: {  // E5M2: low 7 bits into fp32, times 2^112; exponent 31 is inf/NaN
       u32x8 b = widen_u8(static_cast<const uint8_t*>(base) + i);
@@ -331,13 +353,13 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
 static inline void load_cached_row(const CacheDesc& c, int64_t block, int kv, int64_t off, int h,
                                    float* dst) {
   const int64_t base = block * c.stride_block + kv * c.stride_kv + off * c.stride_slot + h * c.stride_head;
-  float s = 1.0f;
+  float s = prescale(c.dtype);  // power of two: s * scale is exact, so folding it in changes no bit
   if (c.scale_mode == SCALE_DYNAMIC)
-    s = c.scale_cache[block * c.s_stride_block + kv * c.s_stride_kv + off * c.s_stride_slot + h];
+    s *= c.scale_cache[block * c.s_stride_block + kv * c.s_stride_kv + off * c.s_stride_slot + h];
   else if (c.scale_mode == SCALE_HEAD)
-    s = (kv == 0 ? c.k_scale : c.v_scale)[h];
-  const f32x8 sv = splat(s);
-  if (c.scale_mode == SCALE_DYNAMIC || c.scale_mode == SCALE_HEAD) {
+    s *= (kv == 0 ? c.k_scale : c.v_scale)[h];
+  if (s != 1.0f) {
+    const f32x8 sv = splat(s);
     for (int d = 0; d < c.head_dim; d += 8) storev(dst + d, decode8(c.data, base + d, c.dtype) * sv);
   } else {
     for (int d = 0; d < c.head_dim; d += 8) storev(dst + d, decode8(c.data, base + d, c.dtype));
