@@ -20,7 +20,8 @@ def _load(folder: Path, name: str) -> dict | None:
 def _env(rep: dict) -> str:
     env = rep["env"]
     before = ", ".join(f"{x:.2f}" for x in env["load_average_before"])
-    return f"{env['cpu']}, {env['threads']} threads, load average before the run {before}"
+    gemm = {"float32": ", linears in fp32", "model": f", linears in {rep['dtype']}"}.get(rep.get("cpu_matmul"), "")
+    return f"{env['cpu']}, {env['threads']} threads{gemm}, load average before the run {before}"
 
 
 def throughput(rep: dict) -> list[str]:
