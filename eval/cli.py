@@ -28,7 +28,7 @@ def _ints(text: str) -> list[int]:
 
 # Eval's engines differ from the engine's defaults in these (scores in bfloat16, a smaller cache per configuration);
 # their names, types and help still come from EngineConfig.
-EVAL_ENGINE_FIELDS = ("model", "dtype", "kv_cache_memory", "max_model_len", "device")
+EVAL_ENGINE_FIELDS = ("model", "dtype", "kv_cache_memory", "max_model_len", "device", "cpu_matmul_dtype")
 
 
 def _default(name: str) -> Any:

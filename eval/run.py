@@ -61,6 +61,7 @@ class EvalArgs:
     bootstrap: int = 2000
     seed: int = 0
     device: str | None = None
+    cpu_matmul_dtype: str = "auto"
     command: str | None = None
 
 
@@ -134,6 +135,7 @@ def _build_engines(configs: list[EvalConfig], args: EvalArgs) -> dict:
             kv_cache_memory=args.kv_cache_memory,
             max_model_len=args.max_model_len,
             device=args.device,
+            cpu_matmul_dtype=args.cpu_matmul_dtype,
             **c.engine_kwargs(),
         )
         engines[c.label] = llm.llm_engine
@@ -243,6 +245,7 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
             "decode_prompt_len": args.decode_prompt_len,
             "decode_tokens": args.decode_tokens,
             "kv_cache_memory": args.kv_cache_memory,
+            "cpu_matmul": "float32" if first.matmul_fp32 else "model",
         },
         "gate": {"max_ppl_delta": max_ppl, "max_kl": max_kl},
         "verdicts": gate.verdicts(acc, base, max_ppl, max_kl),

@@ -142,7 +142,8 @@ def test_gate_fails_on_scales_divided_by_64(llama, text_file, scales, tmp_path, 
     code = run([llama, "--configs", f"bf16,fp8:{calib},fp8:{broken},int8_per_token_head",
                 "--dataset", str(text_file), "--num-windows", "4", "--window", "64", "--report", str(out),
                 "--max-kl", "0.01", "--ttft-lengths", "16", "--repeats", "1", "--decode-tokens", "3",
-                "--decode-prompt-len", "16", "--decode-batches", "1,2", "--bootstrap", "200"])
+                "--decode-prompt-len", "16", "--decode-batches", "1,2", "--bootstrap", "200",
+                "--cpu-matmul-dtype", "float32"])
     printed = capsys.readouterr().out
     assert code == 1
     r = json.loads((out / "report.json").read_text())
@@ -158,6 +159,7 @@ def test_gate_fails_on_scales_divided_by_64(llama, text_file, scales, tmp_path, 
     assert r["latency"]["fp8:calib"]["ttft"]["16"]["prefix_hit"]["ratio"] > 0
     assert r["scales"]["fp8:broken"]["k"][0][0] == pytest.approx(r["scales"]["fp8:calib"]["k"][0][0] / 64)
     assert r["environment"]["torch"] and len(r["setup"]["dataset_sha256"]) == 64
+    assert r["setup"]["cpu_matmul"] == "float32"  # the bf16 model's linears multiplied in fp32, as asked
 
 
 def test_compare_flags_an_injected_regression(llama, text_file, scales, tmp_path, capsys):
