@@ -19,8 +19,8 @@ the model's own GEMM, which also leaves small-batch decode steps the arithmetic 
 
 :class:`Fp32Linear` swaps the linears' ``forward`` only while a forward runs, so the
 model object stays shareable with another engine or with ``transformers`` code. Its
-fp32 copies (one per distinct tensor) belong to it, built once per engine; they cost
-twice the linear weights' bf16 bytes in memory.
+fp32 copies (one per distinct tensor) are built once per model and kept on it, so engines
+sharing a model share them; they cost twice the linear weights' bf16 bytes in memory.
 """
 
 from __future__ import annotations
@@ -67,6 +67,25 @@ def resolve_cpu_matmul(setting: str, model_dtype: torch.dtype, device: torch.dev
     return setting == "float32" or not native_16bit_matmul(model_dtype)
 
 
+_COPIES = "_qkv_fp32_linears"  # attribute of the model holding its linears' fp32 copies
+
+
+def _fp32_copies(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]]:
+    """(module, fp32 weight, fp32 bias) per 16-bit ``nn.Linear``; one copy per distinct tensor (tied weights)."""
+    copies: dict[int, torch.Tensor] = {}  # id of a parameter the model holds -> its fp32 copy
+
+    def fp32(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in copies:
+            copies[id(t)] = t.detach().float()
+        return copies[id(t)]
+
+    return [
+        (m, fp32(m.weight), None if m.bias is None else fp32(m.bias))
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.bfloat16, torch.float16)
+    ]
+
+
 class Fp32Linear:
     """While entered, every ``nn.Linear`` of ``model`` with 16-bit weights computes, for an input of at least
     ``min_rows`` rows, ``F.linear(x.float(), w.float(), b.float()).to(x.dtype)`` from cached fp32 copies.
@@ -80,18 +99,11 @@ class Fp32Linear:
 
     def __init__(self, model: torch.nn.Module, min_rows: int = MIN_ROWS) -> None:
         self.min_rows = min_rows
-        copies: dict[int, torch.Tensor] = {}  # id of a parameter the model holds -> its fp32 copy
-
-        def fp32(t: torch.Tensor) -> torch.Tensor:
-            if id(t) not in copies:
-                copies[id(t)] = t.detach().float()
-            return copies[id(t)]
-
-        self.linears = [
-            (m, fp32(m.weight), None if m.bias is None else fp32(m.bias))
-            for m in model.modules()
-            if isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.bfloat16, torch.float16)
-        ]
+        # Kept on the model, so that engines sharing one model (qkv eval, qkv bench) share one set of copies.
+        cached = model.__dict__.get(_COPIES)
+        if cached is None:
+            cached = model.__dict__[_COPIES] = _fp32_copies(model)
+        self.linears: list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]] = cached
 
     def __enter__(self) -> Fp32Linear:
         for m, w32, b32 in self.linears:

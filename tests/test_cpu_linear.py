@@ -59,6 +59,15 @@ def test_tied_weights_are_converted_once_and_fp32_models_not_at_all():
     assert torch.equal(mode.linears[0][1], emb.weight.float())
 
 
+def test_engines_sharing_a_model_share_one_set_of_fp32_copies(tiny_dir):
+    kw = dict(dtype="bfloat16", cpu_matmul_dtype="float32", num_blocks=16)
+    a = LLM(str(tiny_dir("llama")), **kw).llm_engine
+    b = LLM(str(tiny_dir("llama")), preloaded_model=a.model, batch_invariant=True, **kw).llm_engine
+    mode_a, mode_b = a.runner.linear_modes[0](), b.runner.linear_modes[0]()
+    assert (mode_a.min_rows, mode_b.min_rows) == (MIN_ROWS, 1)
+    assert mode_a.linears is mode_b.linears and len(mode_a.linears) > 0
+
+
 def test_resolve_cpu_matmul_explicit_settings():
     assert resolve_cpu_matmul("float32", torch.bfloat16, CPU) is True
     assert resolve_cpu_matmul("float32", torch.float16, CPU) is True
