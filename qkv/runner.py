@@ -106,8 +106,8 @@ class ModelRunner:
         device: torch.device,
         linear_modes: Sequence[Callable[[], contextlib.AbstractContextManager]] = (),
     ) -> None:
-        """``linear_modes``: factories of the function modes every forward runs under, entered in order
-        (the last one sees a call first): how the linears multiply (qkv.cpu_linear, qkv.batch_invariant)."""
+        """``linear_modes``: factories of the contexts every forward runs under, entered in order (the last
+        one sees a linear call first): how the linears multiply (qkv.cpu_linear, qkv.batch_invariant)."""
         self.model = model
         self.linear_modes = tuple(linear_modes)
         self.cache = cache
