@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from qkv import LLM, SamplingParams
 from qkv.config import EngineConfig
-from qkv.cpu_linear import MIN_ROWS, Fp32Linear, linear_modes, resolve_cpu_matmul
+from qkv.cpu_linear import MIN_ROWS, Fp32Linear, linear_modes, onednn_available, resolve_cpu_matmul
 
 CPU = torch.device("cpu")
 
@@ -23,17 +23,30 @@ def _linear(bias: bool) -> torch.nn.Linear:
     return torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
 
 
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    return torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, b, "none", [], "")
+
+
+@pytest.mark.parametrize("onednn", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fp32_path_is_the_upcast_formula_bit_for_bit_and_small_calls_stay_native(bias):
+def test_fp32_path_is_the_upcast_formula_bit_for_bit_and_small_calls_stay_native(bias, onednn):
     lin = _linear(bias)
     model = torch.nn.Sequential(lin)
     x = torch.randn(3, MIN_ROWS, 96).to(torch.bfloat16)
     few = torch.randn(MIN_ROWS - 1, 96).to(torch.bfloat16)
     b32 = None if lin.bias is None else lin.bias.float()
-    with Fp32Linear(model):
+    with Fp32Linear(model, onednn=onednn):
         y, y_few = model(x), model(few)
     assert y.dtype == torch.bfloat16 and y.shape == (3, MIN_ROWS, 160)
-    assert torch.equal(y, F.linear(x.float(), lin.weight.float(), b32).to(torch.bfloat16))
+    if onednn:  # oneDNN's inner product on the reordered weight, rounded once
+        want = _onednn_linear(x.float(), lin.weight.float(), b32).reshape(3, MIN_ROWS, 160)
+    else:
+        want = F.linear(x.float(), lin.weight.float(), b32)
+    assert torch.equal(y, want.to(torch.bfloat16))
+    # either way an fp32 accumulation of the exact products: within fp32 rounding of the float64 result
+    exact = F.linear(x.double(), lin.weight.double(), None if b32 is None else b32.double())
+    assert (want.double() - exact).abs().max().item() < 1e-5
     assert torch.equal(y_few, F.linear(few, lin.weight, lin.bias))
     # outside the mode the module is the plain nn.Linear again
     assert "forward" not in lin.__dict__
@@ -43,7 +56,7 @@ def test_fp32_path_is_the_upcast_formula_bit_for_bit_and_small_calls_stay_native
 def test_min_rows_one_takes_fp32_for_every_call():
     lin = _linear(True)
     x = torch.randn(1, 96).to(torch.bfloat16)
-    with Fp32Linear(lin, min_rows=1):
+    with Fp32Linear(lin, min_rows=1, onednn=False):
         y = lin(x)
     assert torch.equal(y, F.linear(x.float(), lin.weight.float(), lin.bias.float()).to(torch.bfloat16))
 
@@ -53,19 +66,32 @@ def test_tied_weights_are_converted_once_and_fp32_models_not_at_all():
     head = torch.nn.Linear(96, 50, bias=False).to(torch.bfloat16)
     head.weight = emb.weight  # tied, as SmolLM2's LM head is
     other = torch.nn.Linear(96, 50, bias=False).to(torch.bfloat16)
-    mode = Fp32Linear(torch.nn.ModuleList([emb, head, other, torch.nn.Linear(4, 4)]))  # the fp32 one is left alone
-    assert [m for m, _, _ in mode.linears] == [head, other]
-    assert mode.linears[0][1].dtype == torch.float32
-    assert torch.equal(mode.linears[0][1], emb.weight.float())
+    modules = torch.nn.ModuleList([emb, head, other, torch.nn.Linear(4, 4)])  # the fp32 one is left alone
+    dense, onednn = Fp32Linear(modules, onednn=False), Fp32Linear(modules, onednn=True)
+    assert [m for m, _, _ in dense.linears] == [m for m, _, _ in onednn.linears] == [head, other]
+    assert dense.linears[0][1].dtype == torch.float32
+    assert torch.equal(dense.linears[0][1], emb.weight.float())
+    assert onednn.linears[0][1].is_mkldnn and torch.equal(onednn.linears[0][1].to_dense(), emb.weight.float())
+
+
+def test_onednn_is_found_in_this_torch_build():
+    # The pinned CPU wheel has oneDNN; the default takes it (a build without it would take F.linear).
+    assert onednn_available() is True
+    assert Fp32Linear(_linear(False)).onednn is True
 
 
 def test_engines_sharing_a_model_share_one_set_of_fp32_copies(tiny_dir):
     kw = dict(dtype="bfloat16", cpu_matmul_dtype="float32", num_blocks=16)
     a = LLM(str(tiny_dir("llama")), **kw).llm_engine
     b = LLM(str(tiny_dir("llama")), preloaded_model=a.model, batch_invariant=True, **kw).llm_engine
-    mode_a, mode_b = a.runner.linear_modes[0](), b.runner.linear_modes[0]()
-    assert (mode_a.min_rows, mode_b.min_rows) == (MIN_ROWS, 1)
-    assert mode_a.linears is mode_b.linears and len(mode_a.linears) > 0
+    c = LLM(str(tiny_dir("llama")), preloaded_model=a.model, **kw).llm_engine
+    mode_a, mode_b, mode_c = (e.runner.linear_modes[0]() for e in (a, b, c))
+    assert (mode_a.min_rows, mode_b.min_rows, mode_c.min_rows) == (MIN_ROWS, 1, MIN_ROWS)
+    # batch-invariant engines multiply through F.linear (below the fixed tiles), the others through oneDNN
+    assert (mode_a.onednn, mode_b.onednn, mode_c.onednn) == (True, False, True)
+    assert mode_a.linears is mode_c.linears and len(mode_a.linears) > 0
+    assert mode_b.linears is not mode_a.linears
+    assert [m for m, _, _ in mode_b.linears] == [m for m, _, _ in mode_a.linears]
 
 
 def test_resolve_cpu_matmul_explicit_settings():
@@ -85,7 +111,7 @@ def test_batch_invariant_mode_sits_on_top_and_fp32_takes_every_call():
     modes = linear_modes(lin, fp32=True, batch_invariant=True)
     assert len(modes) == 2
     fp32 = modes[0]()
-    assert isinstance(fp32, Fp32Linear) and fp32.min_rows == 1
+    assert isinstance(fp32, Fp32Linear) and fp32.min_rows == 1 and fp32.onednn is False
     assert modes[0]() is fp32  # built once, entered every forward
     assert linear_modes(lin, fp32=False, batch_invariant=False) == []
     assert linear_modes(lin, fp32=True, batch_invariant=False)[0]().min_rows == MIN_ROWS
