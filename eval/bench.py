@@ -5,7 +5,9 @@ Three modes, all writing one JSON file whose ratios the README quotes:
 * ``throughput``: ``--num-requests`` random prompts of ``--prompt-len`` tokens, ``--output-len``
   tokens each, submitted at once to one engine per cache dtype with the same
   ``--kv-cache-memory``. Output tokens/s, preemptions, peak running sequences and
-  the KV budget in tokens; ratios to the first dtype (the baseline).
+  the KV budget in tokens; ratios to the first dtype (the baseline). ``--fits-all`` adds the
+  baseline dtype once more with a pool that holds every request at once (label ``@fits-all``):
+  the ceiling that KV capacity alone can reach on this workload and machine.
 * ``latency``: for each ``--batch-sizes`` entry, the time until every sequence of the
   batch has its first token (TTFT of the batch) and the decode rate after it, in one
   run of ``--output-len`` tokens, for every dtype and for
@@ -45,9 +47,10 @@ from qkv.kernels.cpu_attention import CpuKernels
 from qkv.offload import evict_free_blocks
 from qkv.sequence import RequestOutput
 
+from .bench_throughput import fits_all_engine, throughput
 from .bench_transformers import load_baselines
 from .configs import EvalConfig, parse_configs
-from .latency import random_prompts, rotate_order, run_requests
+from .latency import median_ratio, random_prompts, rotate_order, run_requests
 
 __all__ = ["run_bench", "MODES"]
 
@@ -71,55 +74,6 @@ def _engines(model: str, configs: list[EvalConfig], engine_kwargs: dict) -> dict
             shared = engine.model
             engines[cfg.label + suffix] = engine
     return engines
-
-
-def _median_ratio(values: dict[str, list[float]], base: str) -> dict[str, float]:
-    return {k: statistics.median(v) / statistics.median(values[base]) for k, v in values.items()}
-
-
-def _throughput(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -> dict:
-    prompts = random_prompts(vocab, args.num_requests, args.prompt_len, args.seed, avoid)
-    labels = list(engines)
-    runs: dict[str, list[dict]] = {k: [] for k in labels}
-    for r in range(args.repeats):
-        for label in rotate_order(labels, r):
-            engine = engines[label]
-            preempt0 = engine.scheduler.num_preemptions
-            peak = 0
-
-            def on_step(e=engine):
-                nonlocal peak
-                peak = max(peak, len(e.scheduler.running))
-
-            _, total, _, outs = run_requests(engine, prompts, args.output_len, on_step=on_step)
-            out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            runs[label].append(
-                {
-                    "seconds": total,
-                    "output_tokens_per_s": out_tokens / total,
-                    "preemptions": engine.scheduler.num_preemptions - preempt0,
-                    "peak_running": peak,
-                }
-            )
-            engine.pool.check_no_leaks()
-            print(
-                f"throughput repeat {r + 1} {label}: {out_tokens / total:.1f} output tok/s, "
-                f"{runs[label][-1]['preemptions']} preemptions, peak {peak} running",
-                flush=True,
-            )
-    base = labels[0]
-    rates = {k: [x["output_tokens_per_s"] for x in v] for k, v in runs.items()}
-    ratio = _median_ratio(rates, base)
-    return {
-        label: {
-            "output_tokens_per_s": statistics.median(rates[label]),
-            "ratio_to_" + base: ratio[label],
-            "kv_budget_tokens": (engines[label].cache.num_blocks - 1) * engines[label].block_size,
-            "kv_bytes_per_token": engines[label].kv_bytes_per_token,
-            "runs": runs[label],
-        }
-        for label in labels
-    }
 
 
 def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -> dict:
@@ -153,11 +107,11 @@ def _latency(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) -
                 "ttft_ms_runs": [1000 * t for t in ttft[label]],
                 "decode_tokens_per_s_runs": rate[label],
             }
-            row[label]["decode_ratio_to_" + base] = _median_ratio(rate, base)[label]
-            row[label]["ttft_ratio_to_" + base] = _median_ratio(ttft, base)[label]
+            row[label]["decode_ratio_to_" + base] = median_ratio(rate, base)[label]
+            row[label]["ttft_ratio_to_" + base] = median_ratio(ttft, base)[label]
             if hf:
-                row[label]["decode_ratio_to_transformers"] = _median_ratio(rate, "transformers")[label]
-                row[label]["ttft_ratio_to_transformers"] = _median_ratio(ttft, "transformers")[label]
+                row[label]["decode_ratio_to_transformers"] = median_ratio(rate, "transformers")[label]
+                row[label]["ttft_ratio_to_transformers"] = median_ratio(ttft, "transformers")[label]
         out[f"batch_{b}"] = row
     return out
 
@@ -224,7 +178,7 @@ def _prefix(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int]) ->
             flush=True,
         )
     base = labels[0]
-    cold_ratio = _median_ratio(cold, base)
+    cold_ratio = median_ratio(cold, base)
     out = {
         label: {
             "cold_ttft_ms": 1000 * statistics.median(cold[label]),
@@ -276,14 +230,20 @@ def run_bench(args, engine_kwargs: dict) -> dict:
     engine_kwargs["enable_prefix_caching"] = args.mode == "prefix"
     if args.mode != "prefix" and engine_kwargs.get("kv_offloading_size") is not None:
         raise ValueError("--kv-offloading-size: the offload tier is measured by --mode prefix only")
+    fits_all = getattr(args, "fits_all", False)
+    if fits_all and args.mode != "throughput":
+        raise ValueError("--fits-all: only --mode throughput has a KV budget to lift")
     engines = _engines(args.model, configs, engine_kwargs)
+    if fits_all:
+        shared = next(iter(engines.values())).model
+        engines[configs[0].label + "@fits-all"] = fits_all_engine(args.model, configs[0], engine_kwargs, args, shared)
     setup = time.perf_counter() - t0
     first = next(iter(engines.values()))
     avoid = set().union(*(e.eos_token_ids for e in engines.values()))
     warm = random_prompts(first.vocab_size, 1, 16, args.seed + 999, avoid)
     for engine in engines.values():  # first calls allocate; keep them out of the numbers
         run_requests(engine, warm, 2)
-    mode = {"throughput": _throughput, "latency": _latency, "prefix": _prefix}[args.mode]
+    mode = {"throughput": throughput, "latency": _latency, "prefix": _prefix}[args.mode]
     results = mode(engines, args, first.vocab_size, avoid)
     report = {
         "mode": args.mode,

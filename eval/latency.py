@@ -30,7 +30,7 @@ from qkv.config import parse_size
 from qkv.kv_cache import bytes_per_block
 from qkv.sampling import SamplingParams
 
-__all__ = ["measure_latency", "memory_metrics", "random_prompts", "rotate_order", "run_requests"]
+__all__ = ["measure_latency", "median_ratio", "memory_metrics", "random_prompts", "rotate_order", "run_requests"]
 
 logger = logging.getLogger("qkv.eval")
 
@@ -177,3 +177,8 @@ def memory_metrics(engine, kv_budget: str | int, memory_len: int) -> dict:
         "max_concurrent_seqs": int(usable // per_seq),
         "max_tokens_in_budget": int(usable * engine.block_size),
     }
+
+
+def median_ratio(values: dict[str, list[float]], base: str) -> dict[str, float]:
+    """Ratio of each label's median to ``base``'s median."""
+    return {k: statistics.median(v) / statistics.median(values[base]) for k, v in values.items()}

@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[1, 16],
         help="latency: comma-separated batch sizes",
     )
+    p.add_argument(
+        "--fits-all",
+        action="store_true",
+        help="throughput: also run the first dtype with a KV pool that holds every request at once "
+        "(label @fits-all): what capacity alone can buy",
+    )
     p.add_argument("--prefix-len", type=int, default=2048, help="prefix: tokens of the shared prefix")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,7 @@ DTYPES="bf16,fp8,int8:$INT8,int8_per_token_head"
 mkdir -p "$OUT"
 uptime
 "$QKV" bench smollm2-135m --mode throughput --kv-cache-dtype "$DTYPES" --num-requests 48 --prompt-len 512 \
-  --output-len 64 --kv-cache-memory 192MiB --max-num-seqs 64 --repeats 3 -o "$OUT/throughput_smollm2.json"
+  --output-len 64 --kv-cache-memory 192MiB --max-num-seqs 64 --repeats 3 --fits-all -o "$OUT/throughput_smollm2.json"
 "$QKV" bench smollm2-135m --mode latency --kv-cache-dtype "$DTYPES" --batch-sizes 1,16 --prompt-len 256 \
   --output-len 32 --repeats 2 -o "$OUT/latency_smollm2.json"
 "$QKV" bench smollm2-135m --mode prefix --kv-cache-dtype "$DTYPES" --prefix-len 2048 --repeats 2 \

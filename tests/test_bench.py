@@ -25,9 +25,13 @@ def bench(model, tmp_path, *argv):
 def test_throughput_at_a_fixed_budget(model, tmp_path):
     r = bench(model, tmp_path, "--mode", "throughput", "--kv-cache-dtype", "bf16,fp8,int8_per_token_head",
               "--num-requests", "6", "--prompt-len", "40", "--output-len", "10", "--kv-cache-memory", "80KiB",
-              "--repeats", "1")
+              "--repeats", "1", "--fits-all")
     res = r["results"]
+    ceiling = res.pop("bf16@fits-all")
     assert list(res) == ["bf16", "fp8", "int8_per_token_head"] and r["baseline"] == "bf16"
+    # --fits-all: bf16 with 6 x ceil(50 / 16) = 24 blocks, every request running at once, none preempted
+    assert ceiling["kv_budget_tokens"] == 24 * 16 and ceiling["kv_bytes_per_token"] == res["bf16"]["kv_bytes_per_token"]
+    assert ceiling["runs"][0]["preemptions"] == 0 and ceiling["runs"][0]["peak_running"] == 6
     # tiny llama: 3 layers x 2 kv heads x head_dim 16; 80 KiB / (16 tokens x bytes per token) blocks, one null
     assert [res[k]["kv_bytes_per_token"] for k in res] == [3 * 2 * 2 * 16 * 2, 3 * 2 * 2 * 16, 3 * 2 * 2 * (16 + 4)]
     assert [res[k]["kv_budget_tokens"] for k in res] == [(81920 // (16 * b) - 1) * 16
@@ -41,6 +45,15 @@ def test_throughput_at_a_fixed_budget(model, tmp_path):
     assert res["fp8"]["runs"][0]["preemptions"] == 0 and res["fp8"]["runs"][0]["peak_running"] == 6
     assert r["params"]["num_requests"] == 6 and r["attention_backend"] == "cpu" and r["cpu_matmul"] == "model"
     assert r["kernel_build_seconds"] > 0 and len(r["env"]["load_average_before"]) == 3
+
+
+def test_fits_all_is_refused_where_it_has_no_meaning(model, tmp_path, capsys):
+    out = str(tmp_path / "x.json")
+    assert main(["bench", model, "--mode", "latency", "--fits-all", "-o", out]) == 2
+    assert "--fits-all: only --mode throughput has a KV budget to lift" in capsys.readouterr().err
+    assert main(["bench", model, "--mode", "throughput", "--fits-all", "--num-requests", "8", "--max-num-seqs", "4",
+                 "-o", out]) == 2
+    assert "--fits-all: --max-num-seqs must be at least --num-requests (8)" in capsys.readouterr().err
 
 
 def test_latency_against_transformers(model, tmp_path):
