@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CPU benchmarks the README quotes: SmolLM2-135M with bf16 weights, every cache dtype side by side in
 # one run per mode. Run it on an idle machine (check `uptime`); each JSON records the load average before
-# and after. About 40 minutes on 2 cores without bf16 matrix hardware (linears in fp32, qkv/cpu_linear.py).
+# and after. About 50 minutes on 2 cores without bf16 matrix hardware (linears in fp32, qkv/cpu_linear.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QKV=${QKV:-.venv/bin/qkv}
@@ -15,6 +15,9 @@ uptime
   --output-len 64 --kv-cache-memory 192MiB --max-num-seqs 64 --repeats 3 --fits-all -o "$OUT/throughput_smollm2.json"
 "$QKV" bench smollm2-135m --mode latency --kv-cache-dtype "$DTYPES" --batch-sizes 1,16 --prompt-len 256 \
   --output-len 32 --repeats 2 -o "$OUT/latency_smollm2.json"
+# batch-16 decode alone, longer and repeated more: the run above varies by +-15 % from run to run here
+"$QKV" bench smollm2-135m --mode latency --kv-cache-dtype "$DTYPES" --batch-sizes 16 --prompt-len 256 \
+  --output-len 96 --repeats 5 --no-transformers -o "$OUT/decode16_smollm2.json"
 "$QKV" bench smollm2-135m --mode prefix --kv-cache-dtype "$DTYPES" --prefix-len 2048 --repeats 2 \
   -o "$OUT/prefix_smollm2.json"
 # offload tier (issue 16): a 2,048-token prefix evicted from the device pool, then requested again; tier-hit

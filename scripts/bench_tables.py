@@ -44,7 +44,9 @@ def throughput(rep: dict) -> list[str]:
 
 
 def latency(rep: dict) -> list[str]:
-    rows = [f"Latency, {rep['params']['prompt_len']}-token prompts, {rep['params']['output_len']} new tokens ({_env(rep)}):", ""]
+    p = rep["params"]
+    head = f"Latency, {p['prompt_len']}-token prompts, {p['output_len']} new tokens, medians of {p['repeats']} runs"
+    rows = [f"{head} ({_env(rep)}):", ""]
     rows += [
         "| batch | config | TTFT ms | decode tok/s | decode vs qkv bf16 | decode vs transformers |",
         "| ---: | --- | ---: | ---: | ---: | ---: |",
@@ -82,6 +84,7 @@ def prefix(rep: dict) -> list[str]:
 def main(argv: list[str]) -> int:
     folder = Path(argv[0] if argv else "eval/results/bench")
     for name, render in (("throughput_smollm2.json", throughput), ("latency_smollm2.json", latency),
+                         ("decode16_smollm2.json", latency),
                          ("prefix_smollm2.json", prefix), ("prefix_offload_smollm2.json", prefix)):
         rep = _load(folder, name)
         if rep is not None:
