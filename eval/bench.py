@@ -230,7 +230,7 @@ def run_bench(args, engine_kwargs: dict) -> dict:
     engine_kwargs["enable_prefix_caching"] = args.mode == "prefix"
     if args.mode != "prefix" and engine_kwargs.get("kv_offloading_size") is not None:
         raise ValueError("--kv-offloading-size: the offload tier is measured by --mode prefix only")
-    fits_all = getattr(args, "fits_all", False)
+    fits_all = args.fits_all
     if fits_all and args.mode != "throughput":
         raise ValueError("--fits-all: only --mode throughput has a KV budget to lift")
     engines = _engines(args.model, configs, engine_kwargs)
