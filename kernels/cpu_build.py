@@ -8,6 +8,10 @@ flags (``-march=native`` code must not run on another CPU that shares a home
 directory). A build writes a temporary file and renames it into place, so two
 processes building at once both end with a complete library.
 
+``$QKV_CPU_MARCH`` replaces ``native`` in ``-march`` (for example ``x86-64-v3``, AVX2 with FMA and F16C):
+``.ci/run`` builds the AVX2 code paths that way on an AVX-512 machine, to check that no exactness test
+depends on the wider vectors.
+
 OpenMP: torch's CPU wheel ships ``libgomp.so.1``; the library links against that
 same file when it exists, so qkv's threads and torch's share one OpenMP runtime
 instead of two pools spinning against each other.
@@ -25,11 +29,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["SOURCE", "CXXFLAGS", "KernelBuildError", "build_library", "find_compiler"]
+__all__ = ["SOURCE", "CXXFLAGS", "KernelBuildError", "build_library", "cxxflags", "find_compiler"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_cpu.cpp"
 # No -ffast-math: NaN handling and the fixed reduction order (row invariance) rely on IEEE semantics.
 CXXFLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+
+
+def cxxflags() -> tuple[str, ...]:
+    """:data:`CXXFLAGS`, with ``$QKV_CPU_MARCH`` (if set) as the ``-march`` target."""
+    march = os.environ.get("QKV_CPU_MARCH")
+    return tuple(f"-march={march}" if march and f == "-march=native" else f for f in CXXFLAGS)
 
 
 class KernelBuildError(RuntimeError):
@@ -69,13 +79,14 @@ def build_library(build_dir: Path) -> ctypes.CDLL:
         raise KernelBuildError("no C++ compiler found (set $CXX or install g++)")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     extra = _torch_gomp()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *CXXFLAGS, *extra, version, _cpu_flags()]).encode())
+    flags = cxxflags()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, *extra, version, _cpu_flags()]).encode())
     target = Path(build_dir) / f"qkv_paged_cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd = [cxx, *CXXFLAGS, str(SOURCE), "-o", tmp, *extra]
+        cmd = [cxx, *flags, str(SOURCE), "-o", tmp, *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)

@@ -12,7 +12,7 @@ last-bit change into a different code.
 ``F.linear`` runs in calls of exactly ``TILE`` rows (the last one zero-padded), so
 every row goes through the same kernel with the same blocking. Rows of one call
 are independent and the kernel treats every row position alike (checked by
-``tests/test_batch_invariant.py`` on the machine that runs the tests). Together
+``tests/core/test_batch_invariant.py`` on the machine that runs the tests). Together
 with the row-invariant CPU attention (:mod:`qkv.kernels.cpu_attention`) and
 per-row elementwise ops, a request's tokens do not depend on what it is batched
 with. It costs the padding and one call per tile, so it is off by default.
@@ -26,7 +26,11 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["BatchInvariantLinear", "TILE"]
 
-TILE = 32  # rows per GEMM call: a multiple of every CPU GEMM kernel's row block seen here (1-16)
+# Rows per GEMM call. What matters is that every row position of a TILE-row call runs the same micro-kernel: a
+# multiple of the row blocks of AMX and AVX-512 (16) and of MKL's AVX2 sgemm (6 and 8). 32 is not: under MKL's
+# AVX2 code path (``MKL_ENABLE_INSTRUCTIONS=AVX2`` on an Intel Xeon) some rows of a 32-row fp32 call rounded
+# differently by position; 48 passed there and on every oneDNN ISA level, fp32 and bf16.
+TILE = 48
 
 
 class BatchInvariantLinear(TorchFunctionMode):
