@@ -17,7 +17,7 @@ For each architecture (sm_80, sm_89, sm_90, sm_100) this
    dynamic shared memory Triton allocates.
 
 ``python -m qkv.kernels.compile_check`` writes ``kernels/results/compile.json`` and exits
-non-zero on any compile error or any register spill. ``tests/test_kernel_compile.py``
+non-zero on any compile error or any register spill. ``tests/kernels/test_compile.py``
 runs it in CI and checks that the committed file lists the same specializations with the
 same resources. Step 2 uses Triton's binder (``create_function_from_signature`` and
 ``JITFunction._pack_args``, Triton 3.9), not a hand-made signature, so that attributes

@@ -1,7 +1,7 @@
 """The kernel specializations qkv launches, found by driving the real launchers in capture mode.
 
-No constexpr is listed here: :func:`drive` calls ``triton_write_kv_cache`` and
-``triton_paged_attention`` (which also launches the split-KV merge) on small CPU tensors
+No constexpr is listed here: :func:`drive` calls ``triton_write`` and
+``triton_attend`` (which also launches the split-KV merge) on small CPU tensors
 inside :func:`.launch.capture` for one GPU architecture, and the launchers decide every
 constexpr, tile and option exactly as they would on that GPU. A constexpr added to a
 kernel is therefore checked as soon as a launcher passes it.
@@ -16,7 +16,7 @@ What is driven (the axes of the compile check):
 
 Every (cache config, rotation, head_dim) is written and attended in one phase; the phase
 and the secondary axes — GQA group 1..8, kv heads, sliding window on/off, query dtype,
-slot dtype, block size — rotate over those combinations (a covering design: every value occurs,
+block size — rotate over those combinations (a covering design: every value occurs,
 many times and in different company) instead of multiplying them, so the check stays
 within a CI budget; each combination is still a real launcher call.
 """
@@ -28,9 +28,10 @@ import itertools
 import torch
 
 from .launch import Launch, capture
+from .paged import PagedLayer, StepMetadata
 from .quant import resolve_cache_dtype
-from .triton_attention import triton_paged_attention
-from .triton_cache_write import triton_write_kv_cache
+from .triton_attention import triton_attend
+from .triton_cache_write import triton_write
 
 __all__ = ["CACHE_CONFIGS", "HEAD_DIMS", "PHASES", "drive"]
 
@@ -64,7 +65,7 @@ BLOCK_SIZES = (16, 16, 16, 32)  # the paged layout's block size (a constexpr); 1
 WINDOW = 4096
 
 
-def _scales(name: str, granularity: str | None, hkv: int, d: int) -> tuple[torch.Tensor | None, ...]:
+def _scales(granularity: str | None, hkv: int, d: int) -> tuple[torch.Tensor | None, ...]:
     if granularity is None:
         return None, None
     shape = {"tensor": (1,), "head": (hkv,), "channel": (hkv, d)}[granularity]
@@ -77,15 +78,21 @@ def _model_dtype(name: str, i: int) -> torch.dtype:
     return dt.storage if not dt.quantized else MODEL_DTYPES[i % len(MODEL_DTYPES)]
 
 
-def _write(name: str, granularity: str | None, rotate: bool, d: int, hkv: int, i: int) -> None:
+def _layer(
+    name: str, granularity: str | None, rotate: bool, d: int, hkv: int, bs: int, window: int | None = None
+) -> PagedLayer:
     dt = resolve_cache_dtype(name)
-    k_scale, v_scale = _scales(name, granularity, hkv, d)
+    k_scale, v_scale = _scales(granularity, hkv, d)
+    cache = torch.zeros(4, 2, bs, hkv, d, dtype=dt.storage)  # never read: nothing runs
+    scale_cache = torch.zeros(4, 2, bs, hkv) if dt.dynamic else None
+    return PagedLayer(cache, dt, k_scale, v_scale, scale_cache, rotate, window)
+
+
+def _write(name: str, granularity: str | None, rotate: bool, d: int, hkv: int, i: int) -> None:
+    layer = _layer(name, granularity, rotate, d, hkv, BLOCK_SIZES[i % len(BLOCK_SIZES)])
     key = torch.zeros(3, hkv, d, dtype=_model_dtype(name, i))
-    bs = BLOCK_SIZES[i % len(BLOCK_SIZES)]
-    cache = torch.zeros(2, 2, bs, hkv, d, dtype=dt.storage)
-    scale_cache = torch.zeros(2, 2, bs, hkv) if dt.dynamic else None
-    slots = torch.tensor([0, 5, -1], dtype=torch.int32 if i % 5 == 4 else torch.int64)
-    triton_write_kv_cache(key, key, cache, slots, dt, k_scale, v_scale, scale_cache, rotate=rotate)
+    meta = StepMetadata.build([0, 5, -1], [[0]], [3], [0, 3])
+    triton_write(layer, key, key, meta)
 
 
 def _attend(
@@ -99,29 +106,14 @@ def _attend(
     window: int | None,
     i: int,
 ) -> None:
-    dt = resolve_cache_dtype(name)
     seq_lens, q_lens = PHASES[phase]
-    k_scale, v_scale = _scales(name, granularity, hkv, d)
     bs = BLOCK_SIZES[(i // 2) % len(BLOCK_SIZES)]
+    layer = _layer(name, granularity, rotate, d, hkv, bs, window)
     max_blocks = -(-max(seq_lens) // bs)
-    cache = torch.zeros(4, 2, bs, hkv, d, dtype=dt.storage)  # never read: nothing runs
-    scale_cache = torch.zeros(4, 2, bs, hkv) if dt.dynamic else None
     query = torch.zeros(sum(q_lens), hkv * group, d, dtype=_model_dtype(name, i))
-    qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
-    triton_paged_attention(
-        query,
-        cache,
-        torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32),
-        torch.tensor(seq_lens, dtype=torch.int32),
-        qsl,
-        dt,
-        k_scale,
-        v_scale,
-        scale_cache,
-        d**-0.5,
-        window,
-        rotate=rotate,
-    )
+    qsl = [0, *itertools.accumulate(q_lens)]
+    meta = StepMetadata.build([0] * qsl[-1], [[0] * max_blocks] * len(seq_lens), seq_lens, qsl)
+    triton_attend(layer, query, meta, d**-0.5)
 
 
 def drive(arch: int) -> list[Launch]:

@@ -5,7 +5,7 @@ H200, 8 at most)::
 
     python -m qkv.kernels.gpu_check            # writes kernels/results/gpu_check.{json,md}
 
-1. **Kernel tests, compiled**: every ``tests/test_kernel_*.py`` except the CPU-only compile
+1. **Kernel tests, compiled**: every ``tests/kernels/test_*.py`` except the CPU-only compile
    check and this script's own dry run, with ``TRITON_INTERPRET`` unset, one process per
    file in parallel (bit-exact cache bytes, attention vs the reference, sm_80 paths).
 2. **Split-KV on the GPU**: a batch-1 decode at 32,768 tokens with 8 kv heads, split
@@ -13,8 +13,9 @@ H200, 8 at most)::
 3. **Decode attention** for bf16, fp8 e4m3 and int8 caches at 1k, 8k and 32k context and
    batch 1, 16 and 64 (Llama-3-8B heads: 32 query, 8 kv, head_dim 128, random block
    tables): the launches' kernel time (captured launches replayed), the whole launcher
-   call, the fraction of the HBM roofline (:mod:`.roofline`: bytes / 4.8 TB/s / time),
-   programs launched, and torch SDPA on a contiguous bf16 cache at the same points.
+   call (the step's tile plan made once, as the runner shares it across layers), the
+   fraction of the HBM roofline (:mod:`.roofline`: bytes / 4.8 TB/s / time), programs
+   launched, and torch SDPA on a contiguous bf16 cache at the same points.
 
 Each part's results are written as soon as it finishes, and a part that fails records
 its error without losing the others. ``--dry-run`` runs everything on the CPU under the
@@ -39,7 +40,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "kernels" / "results"
-CPU_ONLY_TESTS = ("test_kernel_compile.py", "test_kernel_gpu_check.py")
+CPU_ONLY_TESTS = ("test_compile.py", "test_gpu_check.py")
 
 
 def _text(out: str | bytes | None) -> str:
@@ -49,13 +50,13 @@ def _text(out: str | bytes | None) -> str:
 def run_kernel_tests(dry_run: bool, timeout_s: float) -> list[dict]:
     """Each kernel test file in its own pytest process, all at once (compiling is CPU-bound)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    files = sorted(p.name for p in (ROOT / "tests").glob("test_kernel_*.py") if p.name not in CPU_ONLY_TESTS)
+    files = sorted(p.name for p in (ROOT / "tests" / "kernels").glob("test_*.py") if p.name not in CPU_ONLY_TESTS)
     extra = ["-k", "segment_heuristic"] if dry_run else []  # the dry run checks the plumbing only
     if dry_run:
-        env["TRITON_INTERPRET"], files = "1", ["test_kernel_split_kv.py"]
+        env["TRITON_INTERPRET"], files = "1", ["test_split_kv.py"]
 
     def one(name: str) -> dict:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/{name}", *extra]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/kernels/{name}", *extra]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -96,6 +97,7 @@ def _time_ms(fn, device: str, iters: int) -> float:
 
 def _decode_inputs(name: str, context: int, batch: int, shape, device: str, seed: int = 0) -> dict:
     """A paged cache of random content (no NaN bytes) with shuffled blocks, and one query per sequence."""
+    from .paged import PagedLayer, StepMetadata
     from .quant import resolve_cache_dtype
 
     dt = resolve_cache_dtype(name)
@@ -107,18 +109,12 @@ def _decode_inputs(name: str, context: int, batch: int, shape, device: str, seed
         cache.view(torch.int8).random_(-127, 128)
     else:
         cache.view(dt.storage).copy_(torch.randn(cache.shape, device=device).to(dt.storage))
-    tables = (torch.randperm(blocks, generator=g) + 1).view(batch, -1).to(device=device, dtype=torch.int32)
+    tables = (torch.randperm(blocks, generator=g) + 1).view(batch, -1)
     scales = torch.full((hkv,), 0.02, device=device) if dt.quantized else None
     return dict(
+        layer=PagedLayer(cache, dt, scales, scales),
         query=torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16),
-        kv_cache=cache,
-        block_tables=tables,
-        seq_lens=torch.full((batch,), context, device=device, dtype=torch.int32),
-        query_start_loc=torch.arange(batch + 1, device=device, dtype=torch.int32),
-        dt=dt,
-        k_scale=scales,
-        v_scale=scales,
-        scale_cache=None,
+        meta=StepMetadata.build([-1] * batch, tables, [context] * batch, device=device),
         sm_scale=d**-0.5,
     )
 
@@ -126,14 +122,14 @@ def _decode_inputs(name: str, context: int, batch: int, shape, device: str, seed
 def check_split(context: int, device: str, shape) -> dict:
     """Split decode (as launched) vs the same call on one segment, batch 1."""
     from .launch import capture
-    from .triton_attention import triton_paged_attention
+    from .triton_attention import triton_attend
 
     out = {}
     for name in ("bfloat16", "fp8_e4m3", "int8"):
         args = _decode_inputs(name, context, 1, shape, device, seed=1)
         with capture(execute=True) as launches:
-            split = triton_paged_attention(**args).float()
-        whole = triton_paged_attention(**args, num_sms=1).float()
+            split = triton_attend(**args).float()
+        whole = triton_attend(**args, num_sms=1).float()
         err = ((split - whole).abs().max() / whole.abs().max()).item()
         # bf16 outputs: one rounding step of bf16 is 2**-8 of the value, so 1e-2 allows a few
         out[name] = {
@@ -149,7 +145,7 @@ def bench_decode(contexts, batches, device: str, iters: int, shape, gpu, emit) -
     """Times every (cache, context, batch) point and calls ``emit(row)`` after each one."""
     from .launch import capture
     from .roofline import decode_bytes
-    from .triton_attention import triton_paged_attention
+    from .triton_attention import triton_attend
 
     for context in contexts:
         for batch in batches:
@@ -158,7 +154,7 @@ def bench_decode(contexts, batches, device: str, iters: int, shape, gpu, emit) -
                 try:
                     args = _decode_inputs(name, context, batch, shape, device)
                     with capture(execute=True) as launches:
-                        out = triton_paged_attention(**args)
+                        out = triton_attend(**args)
                     row["finite"] = bool(torch.isfinite(out).all())
                     segments = launches[0].grid[2]
                     row.update(segments=segments, programs=launches[0].programs)
@@ -168,7 +164,7 @@ def bench_decode(contexts, batches, device: str, iters: int, shape, gpu, emit) -
                             la.kernel[la.grid](*la.args, **la.kwargs)
 
                     row["kernel_ms"] = _time_ms(kernels, device, iters)
-                    row["call_ms"] = _time_ms(lambda args=args: triton_paged_attention(**args), device, iters)
+                    row["call_ms"] = _time_ms(lambda args=args: triton_attend(**args), device, iters)
                     nbytes = decode_bytes(name, context, batch, shape, segments)["total"]
                     row["roofline_ms"] = nbytes / gpu.hbm_bytes_per_s * 1e3
                     row["fraction_of_hbm"] = row["roofline_ms"] / row["kernel_ms"]

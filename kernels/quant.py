@@ -31,6 +31,9 @@ __all__ = [
     "CacheDtype",
     "resolve_cache_dtype",
     "CACHE_DTYPE_NAMES",
+    "DYNAMIC_CACHE_DTYPES",
+    "STATIC_CACHE_DTYPES",
+    "STORAGE_DTYPES",
     "quantize",
     "dequantize",
     "dynamic_scales",
@@ -105,6 +108,14 @@ CACHE_DTYPE_NAMES = (
 )
 
 
+def _kinds(static: bool) -> tuple[str, ...]:
+    return tuple(
+        n
+        for n in CACHE_DTYPE_NAMES
+        if n != "auto" and _DTYPES[_ALIASES.get(n, n)].quantized and _DTYPES[_ALIASES.get(n, n)].dynamic != static
+    )
+
+
 def resolve_cache_dtype(name: str, model_dtype: torch.dtype = torch.bfloat16) -> CacheDtype:
     """Map a ``--kv-cache-dtype`` value to its :class:`CacheDtype` (``auto`` = model dtype)."""
     key = _ALIASES.get(name, name)
@@ -113,6 +124,12 @@ def resolve_cache_dtype(name: str, model_dtype: torch.dtype = torch.bfloat16) ->
     if key not in _DTYPES:
         raise ValueError(f"unknown kv-cache dtype {name!r}; choose one of: {', '.join(CACHE_DTYPE_NAMES)}")
     return _DTYPES[key]
+
+
+STORAGE_DTYPES = tuple(_DTYPES)  # every distinct cache dtype, by its canonical name (no aliases, no auto)
+# The names of the two families, derived from the table above (so a new dtype joins its family by itself).
+STATIC_CACHE_DTYPES = _kinds(static=True)  # one calibrated (or 1.0) scale per layer, head or channel
+DYNAMIC_CACHE_DTYPES = _kinds(static=False)  # a scale per token and head, computed when the token is written
 
 
 def check_rotation(rotation: str | None, head_dim: int) -> str | None:
@@ -158,8 +175,8 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, d) * rotation_norm(d)
 
 
-def _scale_view(scale: torch.Tensor, x: torch.Tensor, dt: CacheDtype) -> torch.Tensor:
-    """Broadcast a scale over ``x = [T, H, D]``.
+def _scale_view(scale: torch.Tensor, dt: CacheDtype) -> torch.Tensor:
+    """Broadcast a scale over values ``[T, H, D]``.
 
     ``[H]`` (static per head/tensor) and ``[T, H]`` (dynamic) get a trailing
     axis; a static ``[H, D]`` per-channel scale already broadcasts.
@@ -174,7 +191,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dt: CacheDtype) -> torch.Tens
     """Quantize ``x`` ([T, H, D]) with ``scale`` ([H], [H, D] or dynamic [T, H]) into ``dt.storage``."""
     if not dt.quantized:
         return x.to(dt.storage)
-    y = x.to(torch.float32) / _scale_view(scale, x, dt)
+    y = x.to(torch.float32) / _scale_view(scale, dt)
     if dt.kind == "int":
         return torch.round(y).clamp_(-dt.qmax, dt.qmax).to(torch.int8)
     # NaN inputs stay NaN; finite values saturate like __NV_SATFINITE.
@@ -186,7 +203,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dt: CacheDtype, out_
     if not dt.quantized:
         return q.to(out_dtype)
     assert scale is not None
-    return (q.to(torch.float32) * _scale_view(scale, q, dt)).to(out_dtype)
+    return (q.to(torch.float32) * _scale_view(scale, dt)).to(out_dtype)
 
 
 def dynamic_scales(x: torch.Tensor, dt: CacheDtype) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Triton varlen paged attention over a (possibly quantized) paged KV cache.
 
-Same signature and semantics as :func:`qkv.kernels.reference.paged_attention`:
+Same semantics as :func:`qkv.kernels.reference.attend` (the layer and step descriptions are :mod:`.paged`'s):
 sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``, its
 queries are the last ``q_len`` of its ``seq_lens[s]`` context tokens, and query
 ``i`` sits at position ``seq_lens[s] - q_len + i``. One kernel covers prefill
@@ -8,7 +8,8 @@ queries are the last ``q_len`` of its ``seq_lens[s]`` context tokens, and query
 
 Launch grid: ``(num_tiles, num_kv_heads, num_segments)``. A tile is up to ``BLOCK_Q`` consecutive
 query tokens of one sequence; the host builds a per-program map ``tile -> (seq,
-tile index in seq)``, so no program is wasted on padding in a mixed batch. A
+tile index in seq)``, once per step from the step's host-side lengths (:meth:`.paged.StepMetadata.plan`), so
+no program is wasted on padding in a mixed batch and no layer waits on the device. A
 program handles *all* ``GROUP = Hq / Hkv`` query heads of its kv head (GQA without
 expanding K/V): its ``BLOCK_M`` rows are (token, head-in-group) pairs, so each K/V
 tile is loaded and dequantized once and reused by the whole group.
@@ -40,19 +41,22 @@ partial result and a merge kernel combines the segments, so a long decode with f
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .launch import device_num_sms, fp8_native, launch, runs_on_gpu, target_arch
 from .launch import unused_pointer as _unused
-from .quant import CacheDtype, check_rotation, hadamard_rotate
+from .paged import PagedLayer, StepMetadata, check_query
+from .quant import hadamard_rotate
 from .triton_fp8 import fp8_decode_bits, fp8_format
 from .triton_hadamard import fwht_rows
 from .triton_split_kv import merge_segments, num_kv_segments, partial_buffers
 from .triton_tiles import attention_tiles
 
-__all__ = ["triton_paged_attention"]
+__all__ = ["TilePlan", "triton_attend"]
 
 
 @triton.jit
@@ -237,120 +241,74 @@ def _paged_attention_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def triton_paged_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    dt: CacheDtype,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    scale_cache: torch.Tensor | None,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    rotate: bool = False,
-    *,
-    num_sms: int | None = None,
+class TilePlan(NamedTuple):
+    """The per-step part of a launch: which sequence and tile each program takes, and the split-KV segments."""
+
+    tile_seq: torch.Tensor  # [num_tiles] int32
+    tile_idx: torch.Tensor  # [num_tiles] int32
+    segments: int
+
+
+def _tile_plan(meta: StepMetadata, block_q: int, num_kv_heads: int, window: int | None, num_sms: int) -> TilePlan:
+    """Built on the host from the step's lengths: one small copy to the device, no synchronization."""
+    q_lens = meta.q_lens_host
+    tile_seq: list[int] = []
+    tile_idx: list[int] = []
+    for s, n in enumerate(q_lens):
+        tiles = -(-n // block_q)
+        tile_seq += [s] * tiles
+        tile_idx += range(tiles)
+    segments = 1
+    if meta.max_q_len == 1:  # decode-only: split long contexts over more programs
+        context = max(n for n, q in zip(meta.seq_lens_host, q_lens) if q > 0)
+        if window is not None:
+            context = min(context, window)
+        segments = num_kv_segments(len(tile_seq), num_kv_heads, context, num_sms)
+    device = meta.seq_lens.device
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+    return TilePlan(as_tensor(tile_seq), as_tensor(tile_idx), segments)
+
+
+def triton_attend(
+    layer: PagedLayer, query: torch.Tensor, meta: StepMetadata, sm_scale: float, *, num_sms: int | None = None
 ) -> torch.Tensor:
     """Varlen paged attention over ``query`` ([T, Hq, D]); returns ``[T, Hq, D]`` in query's dtype.
 
-    Static ``k_scale``/``v_scale`` are ``[Hkv]`` (or one element), or ``[Hkv, D]`` per channel.
     ``num_sms`` overrides the SM count the split-KV heuristic fills (default: the
     device's, 132 off CUDA).
     """
-    if query.dim() != 3:
-        raise ValueError(f"query must be [T, Hq, D], got {tuple(query.shape)}")
+    check_query(layer, query, meta)
+    kv_cache, dt = layer.kv, layer.dt
     num_tokens, num_q_heads, head_dim = query.shape
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != head_dim:
-        raise ValueError(f"kv_cache must be [num_blocks, 2, block_size, Hkv, {head_dim}], got {tuple(kv_cache.shape)}")
-    num_blocks, _, block_size, num_kv_heads, _ = kv_cache.shape
-    if kv_cache.dtype != dt.storage:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} does not match {dt.name} storage {dt.storage}")
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 16 (64, 128, 256), got {head_dim}")
-    num_seqs = seq_lens.numel()
-    if query_start_loc.numel() != num_seqs + 1 or block_tables.dim() != 2 or block_tables.shape[0] < num_seqs:
-        raise ValueError(
-            f"need query_start_loc [{num_seqs + 1}] and block_tables [{num_seqs}, max_blocks], "
-            f"got {tuple(query_start_loc.shape)} and {tuple(block_tables.shape)}"
-        )
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in its last (head_dim) dimension")
-
-    if dt.dynamic:
-        expected = (num_blocks, 2, block_size, num_kv_heads)
-        if scale_cache is None or tuple(scale_cache.shape) != expected or scale_cache.dtype != torch.float32:
-            raise ValueError(f"{dt.name} needs a float32 scale_cache of shape {expected}")
-        if scale_cache.stride(-1) != 1:
-            raise ValueError("scale_cache must be contiguous in its last dimension")
-        s_strides = scale_cache.stride()[:3]
-    else:
-        scale_cache, s_strides = _unused(kv_cache.device), (0, 0, 0)
-    if rotate:
-        check_rotation("hadamard", head_dim)
-    channel = False
-    if dt.quantized and not dt.dynamic:
-        if k_scale is None or v_scale is None:
-            raise ValueError(f"{dt.name} needs k_scale and v_scale")
-        channel = k_scale.dim() == 2 or v_scale.dim() == 2
-    if channel:
-        if tuple(k_scale.shape) != (num_kv_heads, head_dim) or tuple(v_scale.shape) != (num_kv_heads, head_dim):
-            raise ValueError(
-                f"per-channel k_scale/v_scale must both be [num_kv_heads={num_kv_heads}, "
-                f"head_dim={head_dim}], got {tuple(k_scale.shape)} and {tuple(v_scale.shape)}"
-            )
-        k_scale = k_scale.to(device=query.device, dtype=torch.float32).contiguous()
-        v_scale = v_scale.to(device=query.device, dtype=torch.float32).contiguous()
-    elif dt.quantized and not dt.dynamic:
-        if k_scale.numel() not in (1, num_kv_heads) or v_scale.numel() not in (1, num_kv_heads):
-            raise ValueError(f"k_scale/v_scale must have shape [num_kv_heads={num_kv_heads}] (or one element)")
-        k_scale = k_scale.to(device=query.device, dtype=torch.float32).reshape(-1).expand(num_kv_heads).contiguous()
-        v_scale = v_scale.to(device=query.device, dtype=torch.float32).reshape(-1).expand(num_kv_heads).contiguous()
-    else:
-        k_scale = v_scale = _unused(kv_cache.device)
-
+    num_kv_heads = layer.num_kv_heads
+    device = query.device
     query = query.contiguous()
     out = torch.empty_like(query)
-    if num_tokens == 0 or num_seqs == 0:
+    if num_tokens == 0 or meta.num_seqs == 0:
         return out
-    device = query.device
-    seq_lens = seq_lens.to(device=device, dtype=torch.int32)
-    query_start_loc = query_start_loc.to(device=device, dtype=torch.int32)
-    block_tables = block_tables.to(device=device, dtype=torch.int32)
-
-    # Per-program map: tile -> (sequence, tile index within the sequence).
     group = num_q_heads // num_kv_heads
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    max_q_len = int(q_lens.max())
     arch = target_arch(device)
-    tiles = attention_tiles(group, max_q_len, head_dim, query.element_size(), rotate, arch)
-    block_q = tiles.block_q
-    seq_tiles = (q_lens + block_q - 1) // block_q
-    num_tiles = int(seq_tiles.sum())
+    tiles = attention_tiles(group, meta.max_q_len, head_dim, query.element_size(), arch)
+    sms = num_sms or device_num_sms(device)
+    window = layer.sliding_window
+    plan = meta.plan(
+        ("triton", tiles.block_q, num_kv_heads, window, sms),
+        lambda: _tile_plan(meta, tiles.block_q, num_kv_heads, window, sms),
+    )
+    num_tiles, segments = plan.tile_seq.numel(), plan.segments
     if num_tiles == 0:
         return out
-    tile_seq = torch.repeat_interleave(
-        torch.arange(num_seqs, device=device, dtype=torch.int32), seq_tiles, output_size=num_tiles
-    )
-    first_tile = torch.cumsum(seq_tiles, 0) - seq_tiles
-    tile_idx = (torch.arange(num_tiles, device=device) - first_tile[tile_seq]).to(torch.int32)
-
-    segments = 1
-    if max_q_len == 1:  # decode-only: split long contexts over more programs
-        context = int(seq_lens[q_lens > 0].max())
-        if sliding_window is not None:
-            context = min(context, sliding_window)
-        segments = num_kv_segments(num_tiles, num_kv_heads, context, num_sms or device_num_sms(device))
     split = segments > 1
     if split:
         part_m, part_l, part_acc = partial_buffers(num_tokens, num_q_heads, segments, head_dim, device)
     else:
         part_m = part_l = part_acc = _unused(device)
+    unused = _unused(device)
+    scale_cache = layer.scale_cache if layer.scale_cache is not None else unused
+    s_strides = layer.scale_cache.stride()[:3] if layer.scale_cache is not None else (0, 0, 0)
+    k_scale = layer.k_scale if layer.k_scale is not None else unused
+    v_scale = layer.v_scale if layer.v_scale is not None else unused
+    channel, rotate = layer.channel, layer.rotate
 
     native = fp8_native(arch)
     mant_bits, min_exp = fp8_format(dt.storage)
@@ -377,16 +335,16 @@ def triton_paged_attention(
         scale_cache,
         k_scale,
         v_scale,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        tile_seq,
-        tile_idx,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        plan.tile_seq,
+        plan.tile_idx,
         part_m,
         part_l,
         part_acc,
         float(sm_scale),
-        int(sliding_window or 0),
+        int(window or 0),
         num_q_heads,
         segments,
         query.stride(0),
@@ -395,16 +353,16 @@ def triton_paged_attention(
         out.stride(1),
         *kv_cache.stride()[:4],
         *s_strides,
-        block_tables.stride(0),
+        meta.block_tables.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=layer.block_size,
         BLOCK_M=tiles.block_m,
-        BLOCK_Q=block_q,
+        BLOCK_Q=tiles.block_q,
         BLOCK_N=tiles.block_n,
         QUANTIZED=dt.quantized,
         DYNAMIC=dt.dynamic,
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=window is not None,
         MANT_BITS=mant_bits,
         MIN_EXP=min_exp,
         FP8_NATIVE=native,

@@ -1,7 +1,7 @@
 """Triton kernel that quantizes new K/V and scatters them into the paged cache.
 
-Same signature and byte-for-byte the same result as :func:`qkv.kernels.reference.write_kv_cache`
-(layout and conventions are documented there and in ``quant.py``).
+Byte-for-byte the same result as :func:`qkv.kernels.reference.write` (layout and conventions are documented
+in ``paged.py`` and ``quant.py``).
 
 Bit-exactness notes. The kernel never relies on a float cast to round:
 
@@ -34,11 +34,12 @@ import triton.language as tl
 
 from .launch import fp8_native, launch, target_arch
 from .launch import unused_pointer as _unused
-from .quant import DYNAMIC_SCALE_FLOOR, CacheDtype, check_rotation
+from .paged import PagedLayer, StepMetadata, check_kv
+from .quant import DYNAMIC_SCALE_FLOOR
 from .triton_fp8 import fp8_encode_bits, fp8_format, rint, round_to_fp8_grid
 from .triton_hadamard import fwht_rows
 
-__all__ = ["triton_write_kv_cache"]
+__all__ = ["triton_write"]
 
 DYNAMIC_FLOOR = tl.constexpr(DYNAMIC_SCALE_FLOOR)
 
@@ -178,94 +179,21 @@ def _write_kv_kernel(
     tl.store(c_base + stride_ckv, vq, mask=mask)
 
 
-def _check_scale(
-    name: str, scale: torch.Tensor | None, num_heads: int, device, head_dim: int | None = None
-) -> torch.Tensor:
-    """``[1]``/``[H]`` -> contiguous fp32 ``[H]``; with ``head_dim`` (per-channel) exactly ``[H, D]``."""
-    if scale is None:
-        raise ValueError(f"{name} is required for a statically scaled quantized cache")
-    scale = torch.as_tensor(scale, device=device).to(torch.float32)
-    if head_dim is not None:
-        if tuple(scale.shape) != (num_heads, head_dim):
-            raise ValueError(
-                f"per-channel {name} must have shape [num_kv_heads={num_heads}, "
-                f"head_dim={head_dim}], got {tuple(scale.shape)}"
-            )
-        return scale.contiguous()
-    scale = scale.reshape(-1)
-    if scale.numel() == 1:
-        scale = scale.expand(num_heads)
-    if scale.numel() != num_heads:
-        raise ValueError(
-            f"{name} must have shape [num_kv_heads={num_heads}] (or one element), got {scale.numel()} elements"
-        )
-    return scale.contiguous()
-
-
-def triton_write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    dt: CacheDtype,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    scale_cache: torch.Tensor | None = None,
-    rotate: bool = False,
-) -> None:
-    """Quantize ``key``/``value`` ([T, Hkv, D]) and scatter them into ``kv_cache`` at ``slot_mapping``.
-
-    A 2-D ``[Hkv, D]`` static ``k_scale``/``v_scale`` selects the per-channel path.
-    """
-    if key.dim() != 3 or key.shape != value.shape:
-        raise ValueError(f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and {tuple(value.shape)}")
+def triton_write(layer: PagedLayer, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata) -> None:
+    """Quantize ``key``/``value`` ([T, Hkv, D]) and scatter them into the layer's cache at the step's slots."""
+    check_kv(layer, key, value, meta)
+    kv_cache, dt = layer.kv, layer.dt
     num_tokens, num_heads, head_dim = key.shape
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or tuple(kv_cache.shape[3:]) != (num_heads, head_dim):
-        raise ValueError(
-            f"kv_cache must be [num_blocks, 2, block_size, {num_heads}, {head_dim}], got {tuple(kv_cache.shape)}"
-        )
-    if kv_cache.dtype != dt.storage:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} does not match {dt.name} storage {dt.storage}")
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in its last (head_dim) dimension")
-    if slot_mapping.dim() != 1 or slot_mapping.numel() != num_tokens:
-        raise ValueError(f"slot_mapping must be [T={num_tokens}], got {tuple(slot_mapping.shape)}")
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-    for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
+    for name, t in (("key", key), ("value", value), ("slot_mapping", meta.slot_mapping)):
         if t.device != kv_cache.device:
             raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
-    if rotate:
-        check_rotation("hadamard", head_dim)
     if num_tokens == 0:
         return
-    num_blocks, _, block_size = kv_cache.shape[:3]
-    channel = False
-
-    kind = {"none": 0, "int": 1, "float": 2}[dt.kind]
-    if dt.dynamic:
-        expected = (num_blocks, 2, block_size, num_heads)
-        if scale_cache is None:
-            raise ValueError(f"{dt.name} needs a scale_cache of shape {expected}")
-        if tuple(scale_cache.shape) != expected or scale_cache.dtype != torch.float32:
-            raise ValueError(
-                f"scale_cache must be float32 {expected}, got {scale_cache.dtype} {tuple(scale_cache.shape)}"
-            )
-        if scale_cache.stride(-1) != 1 or scale_cache.device != kv_cache.device:
-            raise ValueError("scale_cache must be on kv_cache's device and contiguous in its last dimension")
-        k_scale = v_scale = _unused(kv_cache.device)
-    elif dt.quantized:
-        channel = k_scale is not None and torch.as_tensor(k_scale).dim() == 2
-        dim = head_dim if channel else None
-        k_scale = _check_scale("k_scale", k_scale, num_heads, kv_cache.device, dim)
-        v_scale = _check_scale("v_scale", v_scale, num_heads, kv_cache.device, dim)
-    else:
-        k_scale = v_scale = _unused(kv_cache.device)
-    if scale_cache is None or not dt.dynamic:
-        scale_cache, s_strides = _unused(kv_cache.device), (0, 0, 0)
-    else:
-        s_strides = scale_cache.stride()[:3]
-
+    unused = _unused(kv_cache.device)
+    k_scale = layer.k_scale if layer.k_scale is not None else unused
+    v_scale = layer.v_scale if layer.v_scale is not None else unused
+    scale_cache = layer.scale_cache if layer.scale_cache is not None else unused
+    s_strides = layer.scale_cache.stride()[:3] if layer.scale_cache is not None else (0, 0, 0)
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     mant_bits, min_exp = fp8_format(dt.storage)
@@ -277,7 +205,7 @@ def triton_write_kv_cache(
         key,
         value,
         cache_arg,
-        slot_mapping,
+        meta.slot_mapping,
         k_scale,
         v_scale,
         scale_cache,
@@ -289,18 +217,18 @@ def triton_write_kv_cache(
         value.stride(1),
         *kv_cache.stride()[:4],
         *s_strides,
-        KIND=kind,
+        KIND={"none": 0, "int": 1, "float": 2}[dt.kind],
         DYNAMIC=dt.dynamic,
         QMAX=float(dt.qmax),
         MANT_BITS=mant_bits,
         MIN_EXP=min_exp,
         FP8_NATIVE=native,
         ROUND_BF16=dt.storage == torch.bfloat16,
-        ROTATE=rotate,
+        ROTATE=layer.rotate,
         LOG2_D=head_dim.bit_length() - 1,
         ROT_NORM=float(head_dim) ** -0.5,
-        CHANNEL=channel,
-        BLOCK_SIZE=block_size,
+        CHANNEL=layer.channel,
+        BLOCK_SIZE=layer.block_size,
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         enable_fp_fusion=False,  # pinned: the bytes must not depend on Triton's default (it changes in 3.10)

@@ -25,13 +25,13 @@ class Tiles(NamedTuple):
     q_chunk: int  # head_dim, or the chunk the QK dot reads the query in (fp32 at head_dim 256)
 
 
-def attention_tiles(group: int, max_q_len: int, head_dim: int, q_bytes: int, rotate: bool, arch: int | None) -> Tiles:
+def attention_tiles(group: int, max_q_len: int, head_dim: int, q_bytes: int, arch: int | None) -> Tiles:
     """Tiles chosen so that no specialization spills registers on sm_80..sm_100.
 
     The compile check (``kernels/results/compile.json``) proves it for every launch the
     launchers make. What costs registers: the fp32 accumulator and query tile
     (``BLOCK_M x head_dim``), the dequantized K/V tiles (``BLOCK_N x head_dim``), the
-    in-register Hadamard transform of the query and the output (``rotate``), and fp32
+    in-register Hadamard transform of the query and the output (a rotated cache), and fp32
     queries, whose three-pass TF32 dots split every operand in two. sm_80/sm_89 have no
     wgmma, so both dot operands live in registers there: they take smaller query tiles.
     head_dim 256 takes 16 x 16 tiles and 4 warps: with 8 warps ptxas caps the kernel at 128

@@ -14,78 +14,51 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
 
-from .kernels import reference
 from .kernels.cpu_attention import CpuKernels
 from .kernels.cpu_build import KernelBuildError
+from .kernels.paged import AttentionBackend, StepMetadata
+from .kernels.reference import TorchReference
 from .kv_cache import KVCache
 from .registry import default_cache_dir
 
-__all__ = ["ATTN_IMPL", "ATTENTION_BACKENDS", "StepContext", "AttentionBackend", "get_backend", "register"]
+__all__ = ["ATTN_IMPL", "ATTENTION_BACKENDS", "StepContext", "get_backend", "register"]
 
 ATTN_IMPL = "qkv_paged"
 
 logger = logging.getLogger("qkv")
 
 
-class AttentionBackend(Protocol):
-    name: str
-    write_kv_cache: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-
-
 @dataclass
 class StepContext:
     """Everything the attention layers need for one forward over a flattened batch.
 
+    ``meta`` is built once per step by the runner; every layer reads it and none rebuilds it.
     ``observer``, when set, is called as ``observer(layer_idx, key, value)``
     with the ``[T, Hkv, D]`` tensors about to be stored (calibration hooks in here).
     """
 
     cache: KVCache
     backend: AttentionBackend
-    slot_mapping: torch.Tensor  # [T] int64, -1 = do not write
-    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with the null block
-    seq_lens: torch.Tensor  # [S] int32, context length after this step
-    query_start_loc: torch.Tensor  # [S + 1] int32
+    meta: StepMetadata
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 
 
-class _TorchBackend:
-    """The torch reference (:mod:`qkv.kernels.reference`): one SDPA call per sequence, like transformers."""
+def _triton() -> AttentionBackend:
+    # triton is an optional extra (qkv[triton]): imported only when this backend is chosen
+    from .kernels.triton_backend import TritonKernels
 
-    def __init__(self) -> None:
-        self.name = "torch"
-        self.write_kv_cache = reference.write_kv_cache
-        self.paged_attention = reference.paged_attention
+    return TritonKernels()
 
 
-class _TritonBackend:
-    def __init__(self) -> None:
-        # triton is an optional extra (qkv[triton]): imported only when this backend is chosen
-        from .kernels.triton_attention import triton_paged_attention
-        from .kernels.triton_cache_write import triton_write_kv_cache
-
-        self.name = "triton"
-        self.write_kv_cache = triton_write_kv_cache
-        self.paged_attention = triton_paged_attention
-
-
-class _CpuBackend:
-    """The fused C++ kernels (:mod:`qkv.kernels.cpu_attention`), compiled on first use."""
-
-    def __init__(self) -> None:
-        kernels = CpuKernels.build(default_cache_dir() / "kernels")
-        self.name = "cpu"
-        self.write_kv_cache = kernels.write_kv_cache
-        self.paged_attention = kernels.paged_attention
+def _cpu() -> AttentionBackend:
+    return CpuKernels.build(default_cache_dir() / "kernels")
 
 
 def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
@@ -96,23 +69,23 @@ def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
     """
     if name is None:
         if device.type == "cuda":
-            return _TritonBackend()
+            return _triton()
         try:
-            return _CpuBackend()
+            return _cpu()
         except KernelBuildError as e:
             _warn_once(
                 f"qkv: the fused CPU attention kernels could not be built ({str(e).splitlines()[0]}); "
                 "falling back to the torch reference path (--attention-backend torch), which is slower"
             )
-            return _TorchBackend()
+            return TorchReference()
     if name == "torch":
-        return _TorchBackend()
+        return TorchReference()
     if name == "triton":
-        return _TritonBackend()
+        return _triton()
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"--attention-backend cpu runs on the CPU only, but the device is {device}")
-        return _CpuBackend()
+        return _cpu()
     raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
 
 
@@ -148,34 +121,10 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1)
     if ctx.observer is not None:
         ctx.observer(module.layer_idx, k, v)
-    backend = ctx.backend
-    backend.write_kv_cache(
-        k,
-        v,
-        layer.kv,
-        ctx.slot_mapping,
-        layer.spec.dtype,
-        layer.k_scale,
-        layer.v_scale,
-        layer.scale_cache,
-        rotate=layer.spec.rotation is not None,
-    )
+    ctx.backend.write(layer, k, v, ctx.meta)
     if scaling is None:
         scaling = module.head_dim**-0.5 if hasattr(module, "head_dim") else q.shape[-1] ** -0.5
-    out = backend.paged_attention(
-        q,
-        layer.kv,
-        ctx.block_tables,
-        ctx.seq_lens,
-        ctx.query_start_loc,
-        layer.spec.dtype,
-        layer.k_scale,
-        layer.v_scale,
-        layer.scale_cache,
-        scaling,
-        layer.spec.sliding_window,
-        rotate=layer.spec.rotation is not None,
-    )
+    out = ctx.backend.attend(layer, q, ctx.meta, scaling)
     return out.unsqueeze(0), None
 
 

@@ -97,6 +97,7 @@ class LLMEngine:
         # the second tier of prefix blocks (qkv.offload); None unless kv_offloading_size is set
         self.offload = build_offload(config, self.model_path, self.dtype, self.cache, self.pool, self.kv_manager)
         self.backend = get_backend(config.attention_backend, self.device)
+        self._prepare(self.cache)
         # fp32 GEMMs for a 16-bit model on a CPU without 16-bit matrix units (qkv.cpu_linear)
         self.matmul_fp32 = resolve_cpu_matmul(config.cpu_matmul_dtype, self.dtype, self.device)
         modes = linear_modes(self.model, self.matmul_fp32, config.batch_invariant)
@@ -111,6 +112,11 @@ class LLMEngine:
         logger.info(self.capacity)
 
     # -- set-up helpers -----------------------------------------------------
+    def _prepare(self, cache: KVCache) -> None:
+        """Let the attention back end check and describe every layer once, before any step runs."""
+        for layer in cache.layers:
+            self.backend.prepare(layer)
+
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
         gen = getattr(self.model, "generation_config", None)
@@ -131,6 +137,7 @@ class LLMEngine:
             raise RuntimeError("replace_kv_cache needs an idle engine (requests are running)")
         self.pool.reset_prefix_cache()  # cached blocks would hold the old cache's contents
         self.cache = KVCache(specs, self.cache.num_blocks, self.block_size, self.device, scales)
+        self._prepare(self.cache)
         self.runner.cache = self.cache
         self.layer_specs = specs
         if self.offload is not None:  # other bytes per block: other tier keys

@@ -8,10 +8,11 @@ of scales for the dynamic per-token-head modes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from .kernels.paged import PagedLayer
 from .kernels.quant import CacheDtype
 
 __all__ = ["LayerSpec", "LayerCache", "KVCache", "plan_num_blocks", "capacity_line"]
@@ -34,13 +35,15 @@ class LayerSpec:
         return self.num_kv_heads * per_head
 
 
-@dataclass
-class LayerCache:
-    spec: LayerSpec
-    kv: torch.Tensor  # [num_blocks, 2, block_size, Hkv, D]
-    k_scale: torch.Tensor | None = None  # [Hkv], or [Hkv, D] per channel, fp32 (static modes)
-    v_scale: torch.Tensor | None = None
-    scale_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, Hkv] fp32 (dynamic modes)
+@dataclass(eq=False)
+class LayerCache(PagedLayer):
+    """One layer's paged cache (:class:`~qkv.kernels.paged.PagedLayer`, checked once when built) and its spec.
+
+    ``kv`` is ``[num_blocks, 2, block_size, Hkv, D]``; static ``k_scale``/``v_scale`` are fp32 ``[Hkv]`` (or
+    ``[Hkv, D]`` per channel); ``scale_cache`` is ``[num_blocks, 2, block_size, Hkv]`` fp32 (dynamic modes).
+    """
+
+    spec: LayerSpec = field(kw_only=True)
 
 
 def bytes_per_block(specs: list[LayerSpec], block_size: int) -> int:
@@ -56,14 +59,6 @@ def plan_num_blocks(specs: list[LayerSpec], block_size: int, kv_cache_memory: in
             f"{bytes_per_block(specs, block_size)} B; need at least 2"
         )
     return int(n)
-
-
-def _static_scale(t: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
-    """``[1]``/``[Hkv]`` -> fp32 ``[Hkv]``; a per-channel ``[Hkv, D]`` scale stays 2-D."""
-    t = t.to(torch.float32)
-    if t.dim() == 2:
-        return t.contiguous()
-    return t.reshape(-1).expand(spec.num_kv_heads).contiguous()
 
 
 class KVCache:
@@ -85,15 +80,14 @@ class KVCache:
             kv = torch.zeros(
                 num_blocks, 2, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype.storage, device=device
             )
-            layer = LayerCache(s, kv)
+            scale_cache = k_scale = v_scale = None
             if s.dtype.dynamic:
-                layer.scale_cache = torch.ones(
-                    num_blocks, 2, block_size, s.num_kv_heads, dtype=torch.float32, device=device
-                )
+                scale_cache = torch.ones(num_blocks, 2, block_size, s.num_kv_heads, dtype=torch.float32, device=device)
             elif s.dtype.quantized:
-                k, v = (scales or {}).get(s.layer_idx, (torch.ones(1), torch.ones(1)))
-                layer.k_scale = _static_scale(k, s).to(device)
-                layer.v_scale = _static_scale(v, s).to(device)
+                k_scale, v_scale = (scales or {}).get(s.layer_idx, (torch.ones(1), torch.ones(1)))
+            layer = LayerCache(
+                kv, s.dtype, k_scale, v_scale, scale_cache, s.rotation is not None, s.sliding_window, spec=s
+            )
             self.layers.append(layer)
 
     @property

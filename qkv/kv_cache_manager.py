@@ -147,7 +147,3 @@ class KVCacheManager:
         seq.blocks = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

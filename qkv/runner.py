@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionBackend, StepContext
+from .attention import StepContext
+from .kernels.paged import AttentionBackend, StepMetadata
 from .kv_cache import KVCache
 from .scheduler import SchedulerOutput
 
@@ -115,16 +116,9 @@ class ModelRunner:
         self.device = device
 
     def context(self, inp: StepInputs, observer=None) -> StepContext:
-        dev = self.device
-        return StepContext(
-            cache=self.cache,
-            backend=self.backend,
-            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(inp.block_tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32, device=dev),
-            observer=observer,
-        )
+        """The step's attention metadata, built once here from the host lists; every layer reads it."""
+        meta = StepMetadata.build(inp.slot_mapping, inp.block_tables, inp.seq_lens, inp.query_start_loc, self.device)
+        return StepContext(cache=self.cache, backend=self.backend, meta=meta, observer=observer)
 
     @torch.inference_mode()
     def forward(self, inp: StepInputs, logits_indices: list[int] | None = None, observer=None) -> torch.Tensor:

@@ -61,7 +61,6 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.kv = kv_manager
         self.max_num_seqs = max_num_seqs
