@@ -6,10 +6,21 @@ only, never its submodules, and the import-linter contracts in pyproject.toml ho
 
 from .checkpoint import write_checkpoint, write_scales_file
 from .data import RawData, Samples, build_samples, load_rows
-from .run import STRATEGIES, Calibration, calibrate, calibrate_grid, load_engine, observe
+from .run import (
+    CALIBRATED_DTYPES,
+    STRATEGIES,
+    Calibration,
+    CalibrationSpec,
+    calibrate,
+    calibrate_grid,
+    load_engine,
+    observe,
+)
 
 __all__ = [
+    "CALIBRATED_DTYPES",
     "STRATEGIES",
+    "CalibrationSpec",
     "Calibration",
     "RawData",
     "Samples",

@@ -30,7 +30,9 @@ from pathlib import Path
 import datasets
 import huggingface_hub.constants as hub_constants
 
-__all__ = ["Samples", "RawData", "load_rows", "build_samples", "hub_offline_reason", "prompt_prefix"]
+__all__ = ["PACKINGS", "Samples", "RawData", "load_rows", "build_samples", "hub_offline_reason", "prompt_prefix"]
+
+PACKINGS = ("auto", "pack", "truncate")  # auto: truncate chat rows, pack plain text
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 _TEXT_COLUMNS = ("text", "content", "document", "sentence")
@@ -227,8 +229,8 @@ def build_samples(
         raise ValueError(f"need --num-samples >= 1 and --seq-len >= 2, got {num_samples} and {seq_len}")
     if packing == "auto":
         packing = "truncate" if raw.chat else "pack"
-    if packing not in ("pack", "truncate"):
-        raise ValueError(f"--packing must be auto, pack or truncate, got {packing!r}")
+    if packing not in PACKINGS[1:]:
+        raise ValueError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
     prefix = prompt_prefix(tokenizer)
     body = seq_len - len(prefix)
     rng = random.Random(seed)

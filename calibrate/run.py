@@ -20,17 +20,27 @@ import torch
 from tqdm.auto import tqdm
 
 from qkv.config import EngineConfig
-from qkv.kernels.quant import CacheDtype, check_rotation, hadamard_rotate, resolve_cache_dtype
+from qkv.kernels.quant import (
+    ROTATIONS,
+    STATIC_CACHE_DTYPES,
+    CacheDtype,
+    check_rotation,
+    hadamard_rotate,
+    resolve_cache_dtype,
+)
 from qkv.llm import LLM
+from qkv.options import option, validate_options
 from qkv.scoring import prefill_logits
 
-from .data import RawData, Samples, build_samples
-from .observers import MinMax, Observer, make_observer, scales_from_amax
+from .data import PACKINGS, RawData, Samples, build_samples
+from .observers import OBSERVER_NAMES, MinMax, Observer, make_observer, scales_from_amax
 from .selfgen import GEN_BATCH, generate_samples
 from .stats import TensorStats, single_thread
 
 __all__ = [
+    "CALIBRATED_DTYPES",
     "Calibration",
+    "CalibrationSpec",
     "LayerResult",
     "STRATEGIES",
     "calibrate",
@@ -44,6 +54,8 @@ __all__ = [
 logger = logging.getLogger("qkv")
 
 STRATEGIES = ("tensor", "head", "channel")
+# Static scales are calibrated for e4m3 and int8; e5m2's range needs none (vLLM keeps it at 1.0).
+CALIBRATED_DTYPES = tuple(n for n in STATIC_CACHE_DTYPES if resolve_cache_dtype(n).name != "fp8_e5m2")
 
 
 @dataclass
@@ -99,7 +111,7 @@ def resolve_target(kv_cache_dtype: str, strategy: str, observer: str = "minmax")
             f"keep an exact absmax per channel, not a histogram"
         )
     dt = resolve_cache_dtype(kv_cache_dtype)
-    if dt.name not in ("fp8_e4m3", "int8"):
+    if kv_cache_dtype not in CALIBRATED_DTYPES:
         raise ValueError(
             f"--kv-cache-dtype {kv_cache_dtype}: calibration makes static scales for fp8 "
             f"(e4m3) or int8; {dt.name} needs none"
@@ -205,34 +217,71 @@ def choose_scales(
     return out
 
 
+@dataclass
+class CalibrationSpec:
+    """What to calibrate and on how much data: ``qkv calibrate``'s flags and :func:`calibrate`'s keywords, whose
+    defaults are written here once. Checked when built, before any model loads."""
+
+    kv_cache_dtype: str = option("fp8", "cache dtype the scales are for (fp8 = e4m3)", choices=CALIBRATED_DTYPES)
+    strategy: str = option(
+        "tensor",
+        "one scale per layer for K and for V, one per kv head (compressed-tensors attn_head), "
+        "or one per kv head and channel (qkv extension: K folded into q, V into the output)",
+        choices=STRATEGIES,
+    )
+    rotation: str = option(
+        "none",
+        "qkv extension: calibrate scales of Hadamard-rotated K/V (the engine then rotates)",
+        choices=ROTATIONS,
+        flag="--kv-rotation",
+    )
+    observer: str = option(
+        "minmax",
+        "minmax: absmax over all samples; percentile: clip at --percentile of |x|; "
+        "mse: clipping ratio with the least quantize-dequantize error",
+        choices=OBSERVER_NAMES,
+    )
+    percentile: float | None = option(None, "for --observer percentile (default 99.99)")
+    num_samples: int = option(64, "number of calibration samples", ge=1)
+    seq_len: int = option(512, "tokens per sample", ge=1)
+    packing: str = option(
+        "auto",
+        "pack documents into seq-len chunks, or one truncated sample per row (auto: truncate for chat rows, "
+        "pack otherwise)",
+        choices=PACKINGS,
+    )
+    seed: int = option(0, "seed for the sample draw")
+
+    def __post_init__(self) -> None:
+        validate_options(self)
+        resolve_target(self.kv_cache_dtype, self.strategy, self.observer)
+        if self.percentile is not None and self.observer != "percentile":
+            raise ValueError("--percentile only applies to --observer percentile")
+
+
 def calibrate(
     model: str,
     samples: Samples | None = None,
     raw: RawData | None = None,
     *,
-    kv_cache_dtype: str = "fp8",
-    strategy: str = "tensor",
-    observer: str = "minmax",
-    percentile: float | None = None,
-    num_samples: int = 64,
-    seq_len: int = 512,
-    seed: int = 0,
-    packing: str = "auto",
     dtype: str = "auto",
     device: str | None = None,
     progress: bool = True,
-    rotation: str = "none",
     llm=None,
+    **spec,
 ) -> Calibration:
     """Calibrate ``model``'s KV scales.
 
     Give either ready ``samples`` (token chunks), or ``raw`` rows from
     :func:`qkv.calibrate.data.load_rows` to be tokenized here, or neither for
-    data-free calibration on text the model generates itself.
+    data-free calibration on text the model generates itself. ``spec`` holds :class:`CalibrationSpec`'s
+    fields (its defaults where not given).
     """
     t0 = time.perf_counter()
-    dt = resolve_target(kv_cache_dtype, strategy, observer)
-    obs = make_observer(observer, percentile)
+    sp = CalibrationSpec(**spec)
+    dt = resolve_target(sp.kv_cache_dtype, sp.strategy, sp.observer)
+    obs = make_observer(sp.observer, sp.percentile)
+    strategy, rotation, seed, seq_len, num_samples = sp.strategy, sp.rotation, sp.seed, sp.seq_len, sp.num_samples
     if samples is not None:  # ready chunks: size the engine for the longest
         if not samples.chunks:
             raise ValueError("no samples to calibrate on")
@@ -247,7 +296,7 @@ def calibrate(
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings ({max_pos})")
     if samples is None:
         if raw is not None:
-            samples = build_samples(raw, engine.tokenizer, num_samples, seq_len, seed, packing)
+            samples = build_samples(raw, engine.tokenizer, num_samples, seq_len, seed, sp.packing)
         else:
             samples = generate_samples(llm, num_samples, seq_len, seed, progress)
     t1 = time.perf_counter()

@@ -37,14 +37,17 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from qkv.config import EngineConfig
+from qkv.config_flags import ENGINE_FLAG_FIELDS
 from qkv.engine import LLMEngine
 from qkv.kernels.cpu_attention import CpuKernels
 from qkv.offload import evict_free_blocks
+from qkv.options import Checked, option
 from qkv.sequence import RequestOutput
 
 from .bench_throughput import fits_all_engine, throughput
@@ -52,9 +55,40 @@ from .bench_transformers import load_baselines
 from .configs import EvalConfig, parse_configs
 from .latency import median_ratio, random_prompts, rotate_order, run_requests
 
-__all__ = ["run_bench", "MODES"]
+__all__ = ["BenchOptions", "BENCH_ENGINE_FIELDS", "run_bench", "MODES"]
 
 MODES = ("throughput", "latency", "prefix")
+# bench sets the two engine fields it measures itself: the cache dtype (one engine per --kv-cache-dtypes entry)
+# and prefix caching (on in prefix mode only: the other modes repeat their prompts, and a hit would time nothing).
+BENCH_ENGINE_FIELDS = tuple(f for f in ENGINE_FLAG_FIELDS if f not in ("kv_cache_dtype", "enable_prefix_caching"))
+
+
+@dataclass
+class BenchOptions(Checked):
+    """``qkv bench``'s options; the engine's are EngineConfig's (:data:`BENCH_ENGINE_FIELDS`)."""
+
+    mode: str = option(
+        "latency", "throughput, latency or prefix; prefix caching is on in prefix mode only", choices=MODES
+    )
+    kv_cache_dtypes: list[str] = option(
+        help="comma-separated eval configurations, DTYPE[:SCALES][+skip=...]; the first is the baseline",
+        default_factory=lambda: ["bfloat16", "fp8"],
+        sep=",",
+    )
+    num_requests: int = option(48, "throughput: requests submitted at once", ge=1)
+    prompt_len: int = option(512, "prompt tokens per request", ge=1)
+    output_len: int = option(64, "output tokens per request", ge=2)
+    batch_sizes: list[int] = option(help="latency: batch sizes", default_factory=lambda: [1, 16], sep=",")
+    fits_all: bool = option(
+        False,
+        "throughput: also run the first dtype with a KV pool that holds every request at once "
+        "(label @fits-all): what capacity alone can buy",
+    )
+    prefix_len: int = option(2048, "prefix: tokens of the shared prefix", ge=1)
+    repeats: int = option(3, "interleaved repeats of every measurement", ge=1)
+    seed: int = option(0, "seed of the random prompts")
+    transformers: bool = option(True, "latency: time transformers.generate on the same weights too")
+    output: str = option("bench_results/bench.json", "where the JSON goes", short="-o")
 
 
 def _tier_variants(engine_kwargs: dict) -> list[tuple[str, dict]]:
@@ -220,23 +254,22 @@ def _kernel_build_seconds(engine: LLMEngine) -> float | None:
         return time.perf_counter() - t0
 
 
-def run_bench(args, engine_kwargs: dict) -> dict:
-    """Run ``args.mode`` for every dtype in ``args.kv_cache_dtype`` (comma-separated eval configs)."""
-    configs = parse_configs(args.kv_cache_dtype)
+def run_bench(model: str, args: BenchOptions, engine_kwargs: dict) -> dict:
+    """Run ``args.mode`` for every configuration in ``args.kv_cache_dtypes`` (eval configuration syntax)."""
+    configs = parse_configs(",".join(args.kv_cache_dtypes))
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "kv_cache_dtype"}
-    # Repeats reuse prompts: only the prefix mode may hit the prefix cache.
-    engine_kwargs["enable_prefix_caching"] = args.mode == "prefix"
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k in BENCH_ENGINE_FIELDS}
+    engine_kwargs["enable_prefix_caching"] = args.mode == "prefix"  # see BENCH_ENGINE_FIELDS
     if args.mode != "prefix" and engine_kwargs.get("kv_offloading_size") is not None:
         raise ValueError("--kv-offloading-size: the offload tier is measured by --mode prefix only")
     fits_all = args.fits_all
     if fits_all and args.mode != "throughput":
         raise ValueError("--fits-all: only --mode throughput has a KV budget to lift")
-    engines = _engines(args.model, configs, engine_kwargs)
+    engines = _engines(model, configs, engine_kwargs)
     if fits_all:
         shared = next(iter(engines.values())).model
-        engines[configs[0].label + "@fits-all"] = fits_all_engine(args.model, configs[0], engine_kwargs, args, shared)
+        engines[configs[0].label + "@fits-all"] = fits_all_engine(model, configs[0], engine_kwargs, args, shared)
     setup = time.perf_counter() - t0
     first = next(iter(engines.values()))
     avoid = set().union(*(e.eos_token_ids for e in engines.values()))
@@ -247,7 +280,7 @@ def run_bench(args, engine_kwargs: dict) -> dict:
     results = mode(engines, args, first.vocab_size, avoid)
     report = {
         "mode": args.mode,
-        "model": args.model,
+        "model": model,
         "dtype": str(first.dtype).replace("torch.", ""),
         "device": str(first.device),
         "attention_backend": first.backend.name,

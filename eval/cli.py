@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from dataclasses import MISSING, fields
-from typing import Any
 
-from qkv.config_flags import add_engine_args
+from qkv.config_flags import add_config_args, add_engine_args, config_kwargs, engine_kwargs
+from qkv.options import option_default
 
+from .bench import BENCH_ENGINE_FIELDS, BenchOptions, run_bench
 from .report import verdict_lines
 from .run import EvalArgs, run_eval
 from .search import SearchArgs, run_search
@@ -17,113 +17,15 @@ from .search import SearchArgs, run_search
 __all__ = ["register", "main_eval", "main_lm_eval"]
 
 
-def _ints(text: str) -> list[int]:
-    if text.strip().lower() in ("", "none", "0"):
-        return []
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 # Eval's engines differ from the engine's defaults in these (scores in bfloat16, a smaller cache per configuration);
-# their names, types and help still come from EngineConfig.
+# their names, types and help still come from EngineConfig, their defaults from EvalArgs.
 EVAL_ENGINE_FIELDS = ("model", "dtype", "kv_cache_memory", "max_model_len", "device", "cpu_matmul_dtype")
 
 
-def _default(name: str) -> Any:
-    """EvalArgs' default for ``name``: the one place eval's defaults are written."""
-    f = next(f for f in fields(EvalArgs) if f.name == name)
-    return f.default_factory() if f.default_factory is not MISSING else f.default
-
-
 def add_eval_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p, EVAL_ENGINE_FIELDS, {k: _default(k) for k in EVAL_ENGINE_FIELDS if k != "model"})
-    p.add_argument(
-        "--configs",
-        default=_default("configs"),
-        help="comma-separated DTYPE[:SCALES_DIR][+skip=LAYERS]; LAYERS: sliding_window and/or "
-        "indices separated by '/' or ';'. The first configuration is the baseline "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--dataset",
-        default=_default("dataset"),
-        help="wikitext (WikiText-2 raw test; the local shared copy when present, else the hub) "
-        "or a .txt/.raw/.jsonl file",
-    )
-    p.add_argument("--num-windows", type=int, default=_default("num_windows"))
-    p.add_argument(
-        "--window",
-        type=int,
-        default=_default("window"),
-        help="tokens per window (BOS included when the tokenizer adds one)",
-    )
-    p.add_argument(
-        "--ttft-lengths",
-        type=_ints,
-        default=_default("ttft_lengths"),
-        help="prompt lengths for TTFT, comma-separated; 'none' skips latency",
-    )
-    p.add_argument(
-        "--repeats", type=int, default=_default("repeats"), help="interleaved repeats of every latency measurement"
-    )
-    p.add_argument("--decode-batches", type=_ints, default=_default("decode_batches"))
-    p.add_argument("--decode-prompt-len", type=int, default=_default("decode_prompt_len"))
-    p.add_argument("--decode-tokens", type=int, default=_default("decode_tokens"))
-    p.add_argument(
-        "--kv-budget", default=_default("kv_budget"), help="KV budget for the max-concurrency figure (e.g. 1GiB)"
-    )
-    p.add_argument(
-        "--memory-len", type=int, default=_default("memory_len"), help="sequence length for the max-concurrency figure"
-    )
-    p.add_argument("--report", required=True, help="directory for report.json, report.md and report.html")
-    p.add_argument(
-        "--max-ppl-delta",
-        default=_default("max_ppl_delta"),
-        help="gate: fail when a ppl delta exceeds this (e.g. 1.0%%)",
-    )
-    p.add_argument("--max-kl", default=_default("max_kl"), help="gate: fail when a mean per-token KL exceeds this")
-    p.add_argument(
-        "--compare", default=_default("compare"), help="an earlier report.json (same model and report version)"
-    )
-    p.add_argument("--gate-latency", action="store_true", help="latency regressions in --compare fail too")
-    p.add_argument(
-        "--chunk-size", type=int, default=_default("chunk_size"), help="prefill chunk for scoring (default: engine's)"
-    )
-    p.add_argument("--bootstrap", type=int, default=_default("bootstrap"), help="bootstrap resamples")
-    p.add_argument("--seed", type=int, default=_default("seed"))
-    g = p.add_argument_group(
-        "search",
-        "--search: calibrate and evaluate the dtype x strategy x rotation grid "
-        "(replaces --configs) and recommend the smallest KV footprint within "
-        "--max-ppl-delta",
-    )
-    g.add_argument("--search", action="store_true")
-    grid = SearchArgs()
-    g.add_argument(
-        "--search-dtypes", default=",".join(grid.dtypes), help="static dtypes of the grid (default %(default)s)"
-    )
-    g.add_argument("--search-strategies", default=",".join(grid.strategies), help="default %(default)s")
-    g.add_argument("--search-rotations", default=",".join(grid.rotations), help="default %(default)s")
-    g.add_argument(
-        "--no-search-dynamic",
-        dest="search_dynamic",
-        action="store_false",
-        help="leave fp8/int8_per_token_head out of the grid",
-    )
-    g.add_argument(
-        "--calib-dataset",
-        default=None,
-        help="calibration text for the grid's scales (default: the WikiText-2 validation split)",
-    )
-    g.add_argument("--calib-samples", type=int, default=grid.calib_samples)
-    g.add_argument(
-        "--calib-seq-len",
-        type=int,
-        default=None,
-        help="tokens per calibration sample (default: --window, so every evaluated position is seen)",
-    )
+    add_engine_args(p, EVAL_ENGINE_FIELDS, {k: option_default(EvalArgs, k) for k in EVAL_ENGINE_FIELDS if k != "model"})
+    add_config_args(p, EvalArgs)
+    add_config_args(p.add_argument_group("search", SearchArgs.__doc__), SearchArgs)
 
 
 def _command(args: argparse.Namespace, kwargs: dict) -> str:
@@ -146,18 +48,7 @@ def _command(args: argparse.Namespace, kwargs: dict) -> str:
 
 
 def _search(args: argparse.Namespace, eval_args: EvalArgs) -> int:
-    def split(text: str) -> tuple[str, ...]:
-        return tuple(x.strip() for x in text.split(",") if x.strip())
-
-    search = SearchArgs(
-        split(args.search_dtypes),
-        split(args.search_strategies),
-        split(args.search_rotations),
-        args.search_dynamic,
-        args.calib_dataset,
-        args.calib_samples,
-        args.calib_seq_len,
-    )
+    search = SearchArgs(**config_kwargs(SearchArgs, args))
     extra = [
         "--search",
         "--search-dtypes",
@@ -192,8 +83,7 @@ def _search(args: argparse.Namespace, eval_args: EvalArgs) -> int:
 
 
 def main_eval(args: argparse.Namespace) -> int:
-    fields = EvalArgs.__dataclass_fields__
-    kwargs = {k: v for k, v in vars(args).items() if k in fields and k != "command"}
+    kwargs = config_kwargs(EvalArgs, args, exclude=("command",))
     kwargs["command"] = _command(args, kwargs)
     if args.search:
         return _search(args, EvalArgs(**kwargs))
@@ -238,7 +128,20 @@ def main_lm_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def main_bench(args: argparse.Namespace) -> int:
+    run_bench(args.model, BenchOptions(**config_kwargs(BenchOptions, args)), engine_kwargs(args))
+    return 0
+
+
 def register(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="speed of every KV-cache dtype side by side: throughput at a fixed KV "
+        "budget, latency vs transformers, prefix-hit TTFT",
+    )
+    add_engine_args(p, BENCH_ENGINE_FIELDS)
+    add_config_args(p, BenchOptions)
+    p.set_defaults(func=main_bench)
     p = sub.add_parser(
         "eval",
         help="accuracy (ppl, KL, top-1), latency and memory of KV-cache configurations",

@@ -6,11 +6,11 @@ Registered as ``qkv``::
         --tasks qkv_wikitext,qkv_mc
     simple_evaluate(model=QKVLM(pretrained="smollm2-135m", kv_cache_dtype="fp8"), tasks=[...])
 
-``model_args``: ``pretrained`` (registry name or HF directory), ``dtype``,
-``kv_cache_dtype``, ``kv_scales``, ``kv_cache_dtype_skip_layers`` (``sliding_window``
-and/or indices separated by ``/`` or ``;``, since commas separate model args),
-``kv_rotation`` (``auto``/``none``/``hadamard``), ``kv_cache_memory``, ``max_length``, ``max_gen_toks``,
-``add_bos_token``, ``device``.
+``model_args``: ``pretrained`` (registry name or HF directory), the scorer's ``max_length``,
+``max_gen_toks``, ``add_bos_token`` and ``seed``, and any field of the engine's ``EngineConfig``
+(``kv_cache_dtype``, ``kv_scales``, ``kv_rotation``, ``kv_cache_memory``, ...; ``kv_cache_dtype_skip_layers``
+takes ``sliding_window`` and/or indices separated by ``/`` or ``;``, since commas separate model args).
+Anything else is an error that names it.
 
 Log-likelihoods are computed like lm-eval's ``hf`` model (same tokenization,
 same left truncation to ``max_length + 1`` tokens, same rolling windows), but the
@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import lm_eval.models  # noqa: F401  - registers the built-in models first; registering before drops them
 import torch
@@ -36,6 +35,7 @@ from tqdm import tqdm
 
 from qkv.config import EngineConfig
 from qkv.llm import LLM
+from qkv.options import option_default
 from qkv.sampling import SamplingParams
 from qkv.scoring import prefill_logits
 
@@ -62,47 +62,38 @@ def parse_skip(value) -> list | None:
     return out
 
 
-# lm-eval's model_args default like qkv eval (EvalArgs) and the engine (EngineConfig): written there, once.
-_ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(EngineConfig)}
+# model_args that are lm-eval's (the harness passes some to every model) or the scorer's, not the engine's
+_HARNESS_ARGS = frozenset({"batch_size", "max_batch_size"})
+_ENGINE_FIELDS = frozenset(f.name for f in fields(EngineConfig)) - {"model"}
 
 
 class QKVLM(TemplateLM):
     def __init__(
         self,
         pretrained: str,
-        dtype: str = EvalArgs.dtype,
-        kv_cache_dtype: str = _ENGINE_DEFAULTS["kv_cache_dtype"],
-        kv_scales: str | None = None,
-        kv_cache_dtype_skip_layers=None,
-        kv_rotation: str = _ENGINE_DEFAULTS["kv_rotation"],
-        kv_cache_memory: str = EvalArgs.kv_cache_memory,
-        cpu_matmul_dtype: str = _ENGINE_DEFAULTS["cpu_matmul_dtype"],
         max_length: int | None = None,
         max_gen_toks: int = 256,
         add_bos_token: bool | None = None,
-        device: str | None = None,
-        batch_size=1,
-        max_model_len: int | None = None,
         seed: int = 1234,
-        **kwargs,
+        **model_args,
     ) -> None:
+        """``model_args`` are EngineConfig's fields (``kv_cache_dtype``, ``kv_scales``, ...), with qkv eval's
+        defaults for ``dtype`` and ``kv_cache_memory`` (:class:`~qkv.eval.run.EvalArgs`), checked by EngineConfig;
+        lm-eval's own ``batch_size``/``max_batch_size`` are accepted and ignored (requests run one at a time,
+        continuous batching does the rest)."""
         super().__init__()
-        if kwargs:
-            logger.info("qkv lm-eval model ignores %s", sorted(kwargs))
-        if device in ("", "auto") or (str(device).startswith("cuda") and not torch.cuda.is_available()):
-            device = None  # lm-eval's CLI passes device="cuda" by default; the engine picks cuda or cpu
-        self.llm = LLM(
-            str(pretrained),
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_scales=kv_scales or None,
-            kv_cache_dtype_skip_layers=parse_skip(kv_cache_dtype_skip_layers),
-            kv_rotation=kv_rotation or _ENGINE_DEFAULTS["kv_rotation"],
-            kv_cache_memory=kv_cache_memory,
-            cpu_matmul_dtype=cpu_matmul_dtype,
-            max_model_len=max_model_len,
-            device=device,
-        )
+        unknown = sorted(set(model_args) - _ENGINE_FIELDS - _HARNESS_ARGS)
+        if unknown:
+            raise ValueError(f"qkv lm-eval model: unknown model_args {unknown}; EngineConfig's fields are accepted")
+        engine = {k: v for k, v in model_args.items() if k in _ENGINE_FIELDS and v not in (None, "")}
+        engine.setdefault("dtype", option_default(EvalArgs, "dtype"))
+        engine.setdefault("kv_cache_memory", option_default(EvalArgs, "kv_cache_memory"))
+        if "kv_cache_dtype_skip_layers" in engine:
+            engine["kv_cache_dtype_skip_layers"] = parse_skip(engine["kv_cache_dtype_skip_layers"])
+        device = engine.get("device")
+        if device in ("auto",) or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            engine.pop("device")  # lm-eval's CLI passes device="cuda" by default; the engine picks cuda or cpu
+        self.llm = LLM(str(pretrained), **engine)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.engine.tokenizer
         self._max_length = int(max_length) if max_length else self.engine.max_model_len
@@ -114,7 +105,7 @@ class QKVLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self.seed = seed
-        self.batch_size = batch_size
+        self.batch_size = model_args.get("batch_size", 1)
 
     # -- what TemplateLM needs -------------------------------------------------
     @property

@@ -16,7 +16,7 @@ import logging
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from qkv.llm import LLM
 from qkv.metrics import parse_threshold
 from qkv.model_loader import load_tokenizer
+from qkv.options import option
 from qkv.registry import resolve_model
 
 from . import accuracy, data, gate, latency, report, scales_table
@@ -37,32 +38,47 @@ FAILED_MARKER = "EVAL_FAILED.txt"
 
 @dataclass
 class EvalArgs:
-    model: str
-    configs: str | list[str] = "bf16,fp8"
-    dataset: str = "wikitext"
-    num_windows: int = 16
-    window: int = 1024
-    ttft_lengths: list[int] = field(default_factory=lambda: [512, 2048])
-    repeats: int = 3
-    decode_batches: list[int] = field(default_factory=lambda: [1, 16])
-    decode_prompt_len: int = 128
-    decode_tokens: int = 16
-    kv_budget: str = "1GiB"
-    memory_len: int = 2048
-    report: str = "eval_report"
-    max_ppl_delta: str | float | None = None
-    max_kl: str | float | None = None
-    compare: str | None = None
-    gate_latency: bool = False
-    dtype: str = "bfloat16"
-    kv_cache_memory: str = "512MiB"
-    max_model_len: int | None = None
-    chunk_size: int | None = None
-    bootstrap: int = 2000
-    seed: int = 0
-    device: str | None = None
-    cpu_matmul_dtype: str = "auto"
-    command: str | None = None
+    """``qkv eval``'s options, written once: its flags come from these fields (the engine ones, dtype to
+    cpu_matmul_dtype, from EngineConfig's, with the defaults written here: eval scores in bfloat16 and gives each
+    configuration a smaller cache)."""
+
+    model: str = option(cli=False)
+    configs: str = option(
+        "bf16,fp8",
+        "comma-separated DTYPE[:SCALES_DIR][+skip=LAYERS]; LAYERS: sliding_window and/or indices separated by "
+        "'/' or ';'. The first configuration is the baseline",
+    )
+    dataset: str = option(
+        "wikitext",
+        "wikitext (WikiText-2 raw test; the local shared copy when present, else the hub) or a .txt/.raw/.jsonl file",
+    )
+    num_windows: int = option(16, "windows scored", ge=1)
+    window: int = option(1024, "tokens per window (BOS included when the tokenizer adds one)", ge=2)
+    ttft_lengths: list[int] = option(
+        help="prompt lengths for TTFT; 'none' skips latency", default_factory=lambda: [512, 2048], sep=","
+    )
+    repeats: int = option(3, "interleaved repeats of every latency measurement", ge=1)
+    decode_batches: list[int] = option(
+        help="batch sizes of the decode timing", default_factory=lambda: [1, 16], sep=","
+    )
+    decode_prompt_len: int = option(128, "prompt tokens of the decode timing", ge=1)
+    decode_tokens: int = option(16, "tokens decoded per timing", ge=2)
+    kv_budget: str = option("1GiB", "KV budget for the max-concurrency figure (e.g. 1GiB)")
+    memory_len: int = option(2048, "sequence length for the max-concurrency figure", ge=1)
+    report: str = option("eval_report", "directory for report.json, report.md and report.html", required=True)
+    max_ppl_delta: str | float | None = option(None, "gate: fail when a ppl delta exceeds this (e.g. 1.0%%)")
+    max_kl: str | float | None = option(None, "gate: fail when a mean per-token KL exceeds this")
+    compare: str | None = option(None, "an earlier report.json (same model and report version)")
+    gate_latency: bool = option(False, "latency regressions in --compare fail too")
+    dtype: str = option("bfloat16", cli=False)
+    kv_cache_memory: str = option("512MiB", cli=False)
+    max_model_len: int | None = option(None, cli=False)
+    chunk_size: int | None = option(None, "prefill chunk for scoring (default: the engine's)", ge=1)
+    bootstrap: int = option(2000, "bootstrap resamples", ge=1)
+    seed: int = option(0, "seed of the bootstrap and of the timing prompts")
+    device: str | None = option(None, cli=False)
+    cpu_matmul_dtype: str = option("auto", cli=False)
+    command: str | None = option(None, cli=False)  # the command line that reproduces the run (report)
 
 
 def model_identity(name: str, path: Path) -> dict:

@@ -29,9 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from qkv.calibrate import STRATEGIES, calibrate_grid, load_rows, write_scales_file
-from qkv.kernels.quant import ROTATIONS
+from qkv.calibrate import CALIBRATED_DTYPES, STRATEGIES, calibrate_grid, load_rows, write_scales_file
+from qkv.kernels.quant import DYNAMIC_CACHE_DTYPES, ROTATIONS, resolve_cache_dtype
 from qkv.metrics import parse_threshold
+from qkv.options import option
 
 from .configs import parse_config
 from .data import wikitext_valid_file
@@ -40,19 +41,49 @@ from .run import EvalArgs, run_eval
 __all__ = ["SearchArgs", "run_search", "recommend", "rerender", "STATIC_DTYPES"]
 
 logger = logging.getLogger("qkv.eval")
-DYNAMIC = ("fp8_per_token_head", "int8_per_token_head")
-STATIC_DTYPES = ("fp8", "int8")
+
+
+def _one_name_each(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The first spelling of each distinct dtype: ``("fp8", "fp8_e4m3", "int8")`` -> ``("fp8", "int8")``."""
+    out: dict[str, str] = {}
+    for n in names:
+        out.setdefault(resolve_cache_dtype(n).name, n)
+    return tuple(out.values())
+
+
+DYNAMIC = DYNAMIC_CACHE_DTYPES
+STATIC_DTYPES = _one_name_each(CALIBRATED_DTYPES)
 
 
 @dataclass
 class SearchArgs:
-    dtypes: tuple[str, ...] = STATIC_DTYPES
-    strategies: tuple[str, ...] = STRATEGIES
-    rotations: tuple[str, ...] = ROTATIONS
-    dynamic: bool = True
-    calib_dataset: str | None = None
-    calib_samples: int = 64
-    calib_seq_len: int | None = None  # default: the eval window, so scales see every position evaluated
+    """``qkv eval --search``'s options (flags ``--search-*`` and ``--calib-*``)."""
+
+    search: bool = option(
+        False,
+        "calibrate and evaluate the dtype x strategy x rotation grid (replaces --configs) and recommend the "
+        "smallest KV footprint within --max-ppl-delta",
+    )
+    dtypes: list[str] = option(
+        help="static dtypes of the grid", default_factory=lambda: list(STATIC_DTYPES), sep=",", flag="--search-dtypes"
+    )
+    strategies: list[str] = option(
+        help="scale granularities of the grid",
+        default_factory=lambda: list(STRATEGIES),
+        sep=",",
+        flag="--search-strategies",
+    )
+    rotations: list[str] = option(
+        help="rotations of the grid", default_factory=lambda: list(ROTATIONS), sep=",", flag="--search-rotations"
+    )
+    dynamic: bool = option(True, "the per-token-head modes in the grid", flag="--search-dynamic")
+    calib_dataset: str | None = option(
+        None, "calibration text for the grid's scales (default: the WikiText-2 validation split)"
+    )
+    calib_samples: int = option(64, "calibration samples", ge=1)
+    calib_seq_len: int | None = option(
+        None, "tokens per calibration sample (default: --window, so every evaluated position is seen)", ge=1
+    )
 
 
 def _check(search: SearchArgs) -> None:
@@ -207,7 +238,7 @@ def run_search(args: EvalArgs, search: SearchArgs) -> tuple[dict, dict, int]:
     if search.calib_seq_len is None:
         search.calib_seq_len = args.window
     static, calib = calibrate_grid_files(args.model, search, out / "scales", args.dtype, args.seed, args.device)
-    args.configs = grid_specs(search, static)
+    args.configs = ",".join(grid_specs(search, static))
     args.max_ppl_delta = None  # the grid is expected to hold failures: the search reports, it does not gate
     report, _ = run_eval(args)
     rec = recommend(report, budget)

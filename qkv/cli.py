@@ -6,14 +6,28 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass
 
-from .config_flags import add_engine_args, engine_kwargs
+from .config_flags import add_config_args, add_engine_args, config_kwargs, engine_kwargs
 from .llm import LLM
+from .options import Checked, option
 from .registry import RegistryError, pull
 from .sampling import SamplingParams
-from .stats import StatsLogger
+from .stats import LOG_INTERVAL_S, StatsLogger
 
-__all__ = ["main", "add_engine_args", "engine_kwargs"]  # the flags themselves live in qkv.config_flags
+__all__ = ["GenerateOptions", "main", "add_engine_args", "engine_kwargs"]  # the flags live in qkv.config_flags
+
+
+@dataclass
+class GenerateOptions(Checked):
+    """``qkv generate``'s own options; the engine's are EngineConfig's and the sampling ones SamplingParams'."""
+
+    prompt: list[str] = option(
+        help="a prompt (repeat the flag for several)", default_factory=list, append=True, required=True
+    )
+    json: bool = option(False, "print outputs as JSON")
+    verbose: bool = option(False, "log capacity, KV bytes and periodic stats", short="-v")
+    log_interval: float = option(LOG_INTERVAL_S, "seconds between stats lines with --verbose")
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -22,35 +36,27 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-
+    opts = GenerateOptions(**config_kwargs(GenerateOptions, args))  # both checked before the model loads
+    params = SamplingParams(**config_kwargs(SamplingParams, args))
     llm = LLM(args.model, **engine_kwargs(args))
     engine = llm.llm_engine
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
-    if args.verbose:
+    if opts.verbose:
         log = logging.getLogger("qkv").info
         log(
             f"kv_bytes_per_token: {engine.kv_bytes_per_token} total; per layer: "
             + ", ".join(f"{i}:{b}" for i, b in enumerate(engine.kv_bytes_per_token_by_layer()))
         )
-        stat_logger = StatsLogger(args.log_interval, log)
-    ids = [engine.add_request(p, params) for p in args.prompt]
+        stat_logger = StatsLogger(opts.log_interval, log)
+    ids = [engine.add_request(p, params) for p in opts.prompt]
     done = {}
     while len(done) < len(ids):
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        if args.verbose:
+        if opts.verbose:
             stat_logger.maybe_log(engine.stats)
     outs = [done[i] for i in ids]
-    if args.verbose:
+    if opts.verbose:
         stat_logger.maybe_log(engine.stats, force=True)
         for o in outs:
             tpot = o.metrics.tpot(len(o.outputs[0].token_ids))
@@ -59,31 +65,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 f"({o.num_cached_tokens} cached), TTFT {1000 * o.metrics.ttft:.1f} ms"
                 + (f", TPOT {1000 * tpot:.1f} ms" if tpot is not None else "")
             )
-    if args.json:
-        print(
-            json.dumps(
-                [
-                    {
-                        "prompt": o.prompt,
-                        "text": o.outputs[0].text,
-                        "token_ids": o.outputs[0].token_ids,
-                        "finish_reason": o.outputs[0].finish_reason,
-                    }
-                    for o in outs
-                ],
-                indent=2,
-            )
-        )
+    if opts.json:
+        rows = [
+            {"prompt": o.prompt, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+            for o in outs
+            for c in o.outputs
+        ]
+        print(json.dumps(rows, indent=2))
     else:
         for o in outs:
-            print(f"--- prompt: {o.prompt!r}\n{o.outputs[0].text}")
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from .eval.bench import run_bench  # qkv.eval may be absent (see _extra_commands)
-
-    run_bench(args, engine_kwargs(args))
+            for c in o.outputs:
+                print(f"--- prompt: {o.prompt!r}\n{c.text}")
     return 0
 
 
@@ -95,52 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     p.set_defaults(func=_cmd_pull)
 
-    p = sub.add_parser("generate", help="offline generation, like vLLM's LLM.generate")
+    p = sub.add_parser("generate", help="offline generation, like vLLM's LLM.generate (and its sampling defaults)")
     add_engine_args(p)
-    p.add_argument("--prompt", action="append", required=True, help="may be repeated")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="print outputs as JSON")
-    p.add_argument("-v", "--verbose", action="store_true", help="log capacity, KV bytes and periodic stats")
-    p.add_argument("--log-interval", type=float, default=10.0)
+    add_config_args(p.add_argument_group("sampling"), SamplingParams)
+    add_config_args(p, GenerateOptions)
     p.set_defaults(func=_cmd_generate)
-
-    p = sub.add_parser(
-        "bench",
-        help="speed of every KV-cache dtype side by side: throughput at a fixed KV "
-        "budget, latency vs transformers, prefix-hit TTFT",
-    )
-    add_engine_args(p)
-    p.set_defaults(kv_cache_dtype="bfloat16,fp8")
-    p.add_argument("--mode", choices=["throughput", "latency", "prefix"], default="latency")
-    p.add_argument("--num-requests", type=int, default=48, help="throughput: requests submitted at once")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument(
-        "--batch-sizes",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=[1, 16],
-        help="latency: comma-separated batch sizes",
-    )
-    p.add_argument(
-        "--fits-all",
-        action="store_true",
-        help="throughput: also run the first dtype with a KV pool that holds every request at once "
-        "(label @fits-all): what capacity alone can buy",
-    )
-    p.add_argument("--prefix-len", type=int, default=2048, help="prefix: tokens of the shared prefix")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--no-transformers", dest="transformers", action="store_false", help="latency: leave transformers.generate out"
-    )
-    p.add_argument("-o", "--output", default="bench_results/bench.json")
-    p.set_defaults(func=_cmd_bench)
 
     for register in _extra_commands():
         register(sub)
@@ -148,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands():
-    """Subcommands living in the other packages (calibrate, eval, serve), when present."""
+    """Subcommands living in the other packages (calibrate, eval and bench, serve), when present."""
     out = []
     for mod, attr in (("qkv.calibrate.cli", "register"), ("qkv.eval.cli", "register"), ("qkv.server", "register")):
         try:

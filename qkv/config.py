@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 import os
 import re
-import types
-import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from .block_pool import DEFAULT_HASH_ALGO, HASH_ALGOS
+from .options import option, validate_options
 
 __all__ = ["EngineConfig", "option", "parse_size", "parse_skip_layers"]
 
@@ -93,6 +92,12 @@ def _kv_cache_dtype(value: str) -> None:
     resolve_cache_dtype(value)
 
 
+def _kv_cache_dtype_help() -> str:
+    from .kernels.quant import CACHE_DTYPE_NAMES
+
+    return f"KV-cache storage dtype: {', '.join(CACHE_DTYPE_NAMES)} (fp8 = fp8_e4m3; auto: the model's dtype)"
+
+
 def _exists(value: str) -> None:
     if not Path(value).exists():
         raise ValueError(f"must name an existing file or directory, got {value!r}")
@@ -143,16 +148,6 @@ def _attention_backends() -> tuple[str, ...]:
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither memory nor num_blocks is given
 
 
-def option(default=MISSING, help: str = "", *, choices=None, ge: int | None = None, check=None):
-    """A config field with what a CLI flag needs: ``help``, ``choices`` (a tuple, or a function giving one so
-    that the owning module stays the one source), an inclusive lower bound ``ge``, and ``check(value)``,
-    which raises ``ValueError("must ...")`` (the field name goes in front). :meth:`EngineConfig.validate`
-    applies them after the type check. A check may also raise the owning module's own message, which then
-    follows the field name and a colon."""
-    meta = {"help": help, "choices": choices, "ge": ge, "check": check}
-    return field(default=default, metadata=meta)
-
-
 @dataclass
 class EngineConfig:
     """Engine options with vLLM's names, each validated (type, range, choices) when the object is built.
@@ -164,12 +159,7 @@ class EngineConfig:
 
     model: str = option(help="registry name (e.g. smollm2-135m, gemma3-270m) or a local Hugging Face directory")
     dtype: str = option("auto", "model dtype (auto: the checkpoint's)", choices=_model_dtypes)
-    kv_cache_dtype: str = option(
-        "auto",
-        "KV-cache storage dtype: auto, bfloat16, fp8 (=fp8_e4m3), fp8_e5m2, int8, "
-        "fp8_per_token_head, int8_per_token_head",
-        check=_kv_cache_dtype,
-    )
+    kv_cache_dtype: str = option("auto", _kv_cache_dtype_help, check=_kv_cache_dtype)
     kv_scales: str | None = option(None, "calibrated checkpoint dir or scales file (qkv calibrate -o)", check=_exists)
     kv_cache_dtype_skip_layers: list[str | int] | str | None = option(
         None,
@@ -251,53 +241,10 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field whose type, range or value is wrong."""
-        hints = typing.get_type_hints(EngineConfig)
-        for f in fields(self):
-            value, meta = getattr(self, f.name), f.metadata
-            if not _matches(value, hints[f.name]):
-                raise ValueError(f"{f.name} must be {_describe(hints[f.name])}, got {value!r}")
-            if value is None:
-                continue
-            choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
-            if choices is not None and value not in choices:
-                raise ValueError(f"{f.name} must be one of {', '.join(map(str, choices))}; got {value!r}")
-            if meta["ge"] is not None and value < meta["ge"]:
-                raise ValueError(f"{f.name} must be >= {meta['ge']}, got {value}")
-            if meta["check"] is not None:
-                try:
-                    meta["check"](value)
-                except ValueError as e:
-                    reason = str(e)
-                    raise ValueError(
-                        f"{f.name} {reason}" if reason.startswith("must") else f"{f.name}: {reason}"
-                    ) from None
+        validate_options(self)
         if not self.model:
             raise ValueError("model must be a registry name or a directory, got ''")
         if self.kv_offloading_dir is not None and self.kv_offloading_size is None:
             raise ValueError("kv_offloading_dir needs kv_offloading_size: the tier's cap in GiB")
         if self.kv_offloading_size is not None and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs prefix caching: the tier is keyed by prefix-cache block hashes")
-
-
-def _matches(value, tp) -> bool:
-    """``isinstance`` for the annotations used above (unions, ``list[X]``); a bool is not an int."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, t) for t in typing.get_args(tp))
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
-    if tp is type(None):
-        return value is None
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp)
-
-
-def _describe(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(t) for t in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_describe(typing.get_args(tp)[0])}"
-    return {int: "an integer", str: "a string", bool: "true or false", type(None): "None"}.get(tp, tp.__name__)

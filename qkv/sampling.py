@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
+
+from .options import option
 
 __all__ = ["SamplingParams", "SamplingError", "sample", "SEED_MIN", "SEED_MAX", "MAX_SAMPLES", "MAX_LOGPROBS"]
 
@@ -55,20 +57,20 @@ class SamplingParams:
     checks again when a request is added, in case a field was changed since.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int | None = 16
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    best_of: int | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    n: int = option(1, f"samples returned per prompt (1-{MAX_SAMPLES})")
+    temperature: float = option(1.0, "sampling temperature; 0 is greedy")
+    top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches top_p")
+    top_k: int = option(0, "sample among the k most likely tokens (0 or -1: all)")
+    seed: int | None = option(None, "seed of the request's own generator (default: the global one)")
+    max_tokens: int | None = option(16, "most tokens to generate")
+    stop: list[str] | str | None = option(None, "stop at this string (repeat the flag for several)", append=True)
+    stop_token_ids: list[int] = option(help="stop at these token ids", default_factory=list, cli=False)
+    ignore_eos: bool = option(False, "keep generating past the end-of-sequence token")
+    min_tokens: int = option(0, "tokens to generate before EOS or a stop can end the output")
+    skip_special_tokens: bool = option(True, "leave special tokens out of the text", cli=False)
+    best_of: int | None = option(None, "samples to run, of which the n most likely are returned", cli=False)
+    logprobs: int | None = option(None, f"logprobs of the sampled token and the top k (<= {MAX_LOGPROBS})", cli=False)
+    prompt_logprobs: int | None = option(None, "the same for every prompt token after the first", cli=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

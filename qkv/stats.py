@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-__all__ = ["EngineStats", "StatsLogger"]
+__all__ = ["EngineStats", "LOG_INTERVAL_S", "StatsLogger"]
 
 
 @dataclass
@@ -43,10 +43,13 @@ class EngineStats:
         }
 
 
+LOG_INTERVAL_S = 10.0  # seconds between stats lines: vLLM's default
+
+
 class StatsLogger:
     """Prints one line every ``interval`` seconds, like vLLM's ``LoggingStatLogger``."""
 
-    def __init__(self, interval: float = 10.0, log=print) -> None:
+    def __init__(self, interval: float = LOG_INTERVAL_S, log=print) -> None:
         self.interval = interval
         self.log = log
         self._last = time.monotonic()

@@ -11,19 +11,19 @@ INT8=eval/results/smollm2-search/scales/int8-tensor-none.safetensors
 DTYPES="bf16,fp8,int8:$INT8,int8_per_token_head"
 mkdir -p "$OUT"
 uptime
-"$QKV" bench smollm2-135m --mode throughput --kv-cache-dtype "$DTYPES" --num-requests 48 --prompt-len 512 \
+"$QKV" bench smollm2-135m --mode throughput --kv-cache-dtypes "$DTYPES" --num-requests 48 --prompt-len 512 \
   --output-len 64 --kv-cache-memory 192MiB --max-num-seqs 64 --repeats 3 --fits-all -o "$OUT/throughput_smollm2.json"
-"$QKV" bench smollm2-135m --mode latency --kv-cache-dtype "$DTYPES" --batch-sizes 1,16 --prompt-len 256 \
+"$QKV" bench smollm2-135m --mode latency --kv-cache-dtypes "$DTYPES" --batch-sizes 1,16 --prompt-len 256 \
   --output-len 32 --repeats 2 -o "$OUT/latency_smollm2.json"
 # batch-16 decode alone, longer and repeated more: the run above varies by +-15 % from run to run here
-"$QKV" bench smollm2-135m --mode latency --kv-cache-dtype "$DTYPES" --batch-sizes 16 --prompt-len 256 \
+"$QKV" bench smollm2-135m --mode latency --kv-cache-dtypes "$DTYPES" --batch-sizes 16 --prompt-len 256 \
   --output-len 96 --repeats 5 --no-transformers -o "$OUT/decode16_smollm2.json"
-"$QKV" bench smollm2-135m --mode prefix --kv-cache-dtype "$DTYPES" --prefix-len 2048 --repeats 2 \
+"$QKV" bench smollm2-135m --mode prefix --kv-cache-dtypes "$DTYPES" --prefix-len 2048 --repeats 2 \
   -o "$OUT/prefix_smollm2.json"
 # offload tier (issue 16): a 2,048-token prefix evicted from the device pool, then requested again; tier-hit
 # TTFT against cold, bf16 and fp8, the tier in RAM (+ram) and in files (+file) side by side in one run
 TIER_DIR=$(mktemp -d)
-"$QKV" bench smollm2-135m --mode prefix --kv-cache-dtype bf16,fp8 --prefix-len 2048 --repeats 3 \
+"$QKV" bench smollm2-135m --mode prefix --kv-cache-dtypes bf16,fp8 --prefix-len 2048 --repeats 3 \
   --kv-offloading-size 1 --kv-offloading-backend native --kv-offloading-dir "$TIER_DIR" \
   -o "$OUT/prefix_offload_smollm2.json"
 rm -rf "$TIER_DIR"

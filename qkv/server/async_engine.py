@@ -23,7 +23,7 @@ from typing import Any
 
 from ..sampling import SamplingParams
 from ..sequence import RequestOutput
-from ..stats import StatsLogger
+from ..stats import LOG_INTERVAL_S, StatsLogger
 from .metrics import ServerMetrics, snapshot_engine
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -54,7 +54,7 @@ class _Cmd:
 
 class AsyncEngine:
     def __init__(
-        self, engine, metrics: ServerMetrics | None = None, log_interval: float = 10.0, log_stats: bool = True
+        self, engine, metrics: ServerMetrics | None = None, log_interval: float = LOG_INTERVAL_S, log_stats: bool = True
     ) -> None:
         self.engine = engine
         self.metrics = metrics

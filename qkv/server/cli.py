@@ -7,12 +7,16 @@ import asyncio
 import logging
 import os
 import signal
+from dataclasses import dataclass
 
 import uvicorn
 
-from ..config_flags import add_engine_args, engine_kwargs
+from ..config import EngineConfig, parse_size
+from ..config_flags import add_config_args, add_engine_args, config_kwargs, engine_kwargs
+from ..options import option, validate_options
+from ..stats import LOG_INTERVAL_S
 
-__all__ = ["add_serve_args", "serve", "GracefulServer"]
+__all__ = ["add_serve_args", "serve", "GracefulServer", "ServeOptions"]
 
 logger = logging.getLogger("qkv.server")
 
@@ -53,76 +57,79 @@ class GracefulServer(uvicorn.Server):
         await self.engine.stop()
 
 
+def _max_body(value: str) -> None:
+    if parse_size(value) <= 0:
+        raise ValueError(f"must be > 0, got {value!r}")
+
+
+@dataclass
+class ServeOptions:
+    """``qkv serve``'s own options (the engine's are EngineConfig's), checked before the model loads."""
+
+    host: str = option("127.0.0.1", "bind address (default: loopback only)")
+    port: int = option(8000, "TCP port", ge=0)
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' (default: $QKV_API_KEY; /health stays open)"
+    )
+    served_model_name: list[str] | None = option(
+        None, "name(s) clients use in 'model' (default: the MODEL argument); the first is reported"
+    )
+    max_request_body: str = option("1MiB", "largest accepted request body (413 beyond)", check=_max_body)
+    log_interval: float = option(LOG_INTERVAL_S, "seconds between stats lines while busy", ge=0)
+    disable_log_stats: bool = option(False, "no periodic stats lines")
+    disable_uvicorn_access_log: bool = option(False, "no access log line per request")
+    shutdown_timeout: float = option(
+        60.0,
+        "on SIGTERM, wait this long for in-flight requests, then end them with an error "
+        "(streams: an SSE error event and [DONE])",
+        ge=0,
+    )
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get("QKV_API_KEY")
+        validate_options(self)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("QKV_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $QKV_API_KEY; /health stays open)",
-    )
-    p.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) clients use in 'model' (default: the MODEL argument); the first is reported",
-    )
-    p.add_argument("--max-request-body", default="1MiB", help="largest accepted request body (413 beyond)")
-    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines while busy")
-    p.add_argument("--disable-log-stats", action="store_true")
-    p.add_argument("--disable-uvicorn-access-log", action="store_true")
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=60.0,
-        help="on SIGTERM, wait this long for in-flight requests, then end them with an error "
-        "(streams: an SSE error event and [DONE])",
-    )
+    add_config_args(p, ServeOptions)
 
 
 def serve(args: argparse.Namespace) -> int:
-    from ..config import EngineConfig, parse_size
     from ..engine import LLMEngine
     from .app import build_app
     from .async_engine import AsyncEngine
     from .metrics import ServerMetrics
 
-    try:
-        max_body = parse_size(args.max_request_body)
-    except ValueError as e:
-        raise ValueError(f"--max-request-body: {e}") from None
-    if max_body <= 0:
-        raise ValueError(f"--max-request-body must be > 0, got {args.max_request_body!r}")
-    if not args.shutdown_timeout >= 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    names = args.served_model_name or [args.model]
+    opts = ServeOptions(**config_kwargs(ServeOptions, args))
+    names = opts.served_model_name or [args.model]
     engine = LLMEngine(EngineConfig(model=args.model, **engine_kwargs(args)))
     metrics = ServerMetrics(names[0])
-    async_engine = AsyncEngine(engine, metrics, log_interval=args.log_interval, log_stats=not args.disable_log_stats)
+    async_engine = AsyncEngine(engine, metrics, log_interval=opts.log_interval, log_stats=not opts.disable_log_stats)
     app = build_app(
         async_engine,
         names,
         metrics,
-        api_key=args.api_key or None,
-        max_body_bytes=max_body,
+        api_key=opts.api_key or None,
+        max_body_bytes=parse_size(opts.max_request_body),
         max_model_len=engine.max_model_len,
         model_root=str(engine.model_path),
     )
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        host=opts.host,
+        port=opts.port,
         log_level="info",
-        access_log=not args.disable_uvicorn_access_log,
+        access_log=not opts.disable_uvicorn_access_log,
         lifespan="on",
     )
-    server = GracefulServer(config, async_engine, args.shutdown_timeout)
+    server = GracefulServer(config, async_engine, opts.shutdown_timeout)
     # uvicorn drains in-flight requests on SIGTERM/SIGINT, then re-raises the signal it caught once its own
     # handlers are gone. Handlers that ignore it make that re-raise harmless, so a drained server exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    logger.info("serving %s as %s on http://%s:%d", engine.model_path, ", ".join(names), args.host, args.port)
+    logger.info("serving %s as %s on http://%s:%d", engine.model_path, ", ".join(names), opts.host, opts.port)
     server.run()
     if not server.started:  # e.g. the port is taken; uvicorn has logged why
         return 1
