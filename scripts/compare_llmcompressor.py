@@ -45,7 +45,7 @@ def _lc_scales(out: Path) -> dict[tuple[int, str], torch.Tensor]:
     scales = {}
     for f in sorted(out.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
-            for n in fh.keys():
+            for n in fh.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 m = name.search(n)
                 if m:
                     scales[int(m.group(1)), m.group(2)] = fh.get_tensor(n).float().reshape(-1)
@@ -55,9 +55,16 @@ def _lc_scales(out: Path) -> dict[tuple[int, str], torch.Tensor]:
 
 
 def _lc_version(lc_python: str) -> str:
-    r = subprocess.run([lc_python, "-c", "import importlib.metadata as m; print(m.version('llmcompressor'), "
-                        "m.version('compressed-tensors'), m.version('transformers'), m.version('torch'))"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            lc_python,
+            "-c",
+            "import importlib.metadata as m; print(m.version('llmcompressor'), "
+            "m.version('compressed-tensors'), m.version('transformers'), m.version('torch'))",
+        ],
+        capture_output=True,
+        text=True,
+    )
     return r.stdout.strip() if r.returncode == 0 else "?"
 
 
@@ -69,10 +76,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--strategy", choices=["tensor", "head"], default="tensor")
-    ap.add_argument("--lc-python", default=os.environ.get("QKV_LC_PYTHON"),
-                    help="python of the virtual environment that has llmcompressor (default: $QKV_LC_PYTHON)")
-    ap.add_argument("--workdir", default=None, help="for chunks.json and llm-compressor's checkpoint "
-                                                    "(default: a new temporary directory)")
+    ap.add_argument(
+        "--lc-python",
+        default=os.environ.get("QKV_LC_PYTHON"),
+        help="python of the virtual environment that has llmcompressor (default: $QKV_LC_PYTHON)",
+    )
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="for chunks.json and llm-compressor's checkpoint (default: a new temporary directory)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads for both runs (default 1)")
     ap.add_argument("--reuse-lc", action="store_true", help="reuse llm-compressor's output in WORKDIR")
     ap.add_argument("--output", default=str(RESULTS / "llmcompressor_agreement.md"))
@@ -99,8 +112,15 @@ def main(argv=None) -> int:
     lc_out = work / f"lc-{args.strategy}"
     lc_wall = None
     if not (args.reuse_lc and lc_out.exists()):
-        cmd = [args.lc_python, str(HERE / "lc_oneshot.py"), str(model_path), str(chunks_file), str(lc_out),
-               "--strategy", lc_strategy]
+        cmd = [
+            args.lc_python,
+            str(HERE / "lc_oneshot.py"),
+            str(model_path),
+            str(chunks_file),
+            str(lc_out),
+            "--strategy",
+            lc_strategy,
+        ]
         print("[2/4] " + " ".join(cmd))
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         t = time.perf_counter()
@@ -113,8 +133,14 @@ def main(argv=None) -> int:
 
     print("[3/4] qkv minmax, float32")
     t = time.perf_counter()
-    cal = calibrate(args.model, samples=Samples(samples.chunks, samples.info), kv_cache_dtype="fp8",
-                    strategy=args.strategy, observer="minmax", dtype="float32")
+    cal = calibrate(
+        args.model,
+        samples=Samples(samples.chunks, samples.info),
+        kv_cache_dtype="fp8",
+        strategy=args.strategy,
+        observer="minmax",
+        dtype="float32",
+    )
     qkv_wall = time.perf_counter() - t
 
     rows, worst = [], 0.0
@@ -127,26 +153,30 @@ def main(argv=None) -> int:
             cells += [f"{mine.max().item():.6g}", f"{theirs.max().item():.6g}", f"{100 * rel:.4f}%"]
         rows.append("| " + " | ".join(cells) + " |")
     head_note = " (per-head: largest head scale shown, diff is the worst head)" if args.strategy == "head" else ""
-    text = "\n".join([
-        f"# qkv minmax vs llm-compressor static_minmax: {args.model}, fp8, {args.strategy}",
-        "",
-        f"Same {len(samples.chunks)} token chunks x {args.seq_len} tokens (WikiText-2 validation, "
-        f"`wiki.valid.tokens`, qkv's packing, seed {args.seed}), model in float32 in both.",
-        f"llm-compressor (llmcompressor, compressed-tensors, transformers, torch): {_lc_version(args.lc_python)}; "
-        f"KV-only recipe, `observer: static_minmax`, pipeline `basic`.",
-        "",
-        f"Command: `python scripts/compare_llmcompressor.py --model {args.model} --num-samples "
-        f"{args.num_samples} --seq-len {args.seq_len} --strategy {args.strategy}`",
-        "",
-        f"**Max per-layer relative difference: {100 * worst:.4f}%** (K and V, all {len(cal.layers)} layers)"
-        + head_note,
-        "",
-        f"Wall time on this CPU (1 thread, shared machine): qkv {qkv_wall:.0f} s"
-        + (f", llm-compressor {lc_wall:.0f} s (incl. start-up and save)" if lc_wall else ""),
-        "",
-        "| layer | K qkv | K llm-compressor | K rel diff | V qkv | V llm-compressor | V rel diff |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        *rows, ""])
+    text = "\n".join(
+        [
+            f"# qkv minmax vs llm-compressor static_minmax: {args.model}, fp8, {args.strategy}",
+            "",
+            f"Same {len(samples.chunks)} token chunks x {args.seq_len} tokens (WikiText-2 validation, "
+            f"`wiki.valid.tokens`, qkv's packing, seed {args.seed}), model in float32 in both.",
+            f"llm-compressor (llmcompressor, compressed-tensors, transformers, torch): {_lc_version(args.lc_python)}; "
+            f"KV-only recipe, `observer: static_minmax`, pipeline `basic`.",
+            "",
+            f"Command: `python scripts/compare_llmcompressor.py --model {args.model} --num-samples "
+            f"{args.num_samples} --seq-len {args.seq_len} --strategy {args.strategy}`",
+            "",
+            f"**Max per-layer relative difference: {100 * worst:.4f}%** (K and V, all {len(cal.layers)} layers)"
+            + head_note,
+            "",
+            f"Wall time on this CPU (1 thread, shared machine): qkv {qkv_wall:.0f} s"
+            + (f", llm-compressor {lc_wall:.0f} s (incl. start-up and save)" if lc_wall else ""),
+            "",
+            "| layer | K qkv | K llm-compressor | K rel diff | V qkv | V llm-compressor | V rel diff |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            *rows,
+            "",
+        ]
+    )
     out = Path(args.output)
     if out.exists() and args.strategy != "tensor":
         out = out.with_name(out.stem + f"_{args.strategy}" + out.suffix)

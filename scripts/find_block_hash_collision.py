@@ -1,6 +1,6 @@
 """Find two 16-token blocks whose old qkv block hash, Python's ``hash((parent, tuple(tokens)))``, is equal.
 
-This is how the token ids in ``tests/test_prefix_hash.py`` were found (about a minute, ~1 GiB of memory). It
+This is how the token ids in ``tests/core/test_prefix_hash.py`` were found (about a minute, ~1 GiB of memory). It
 shows why the prefix cache must not key blocks by the built-in hash (vLLM advisory GHSA-rm76-4mrf-v9r8):
 CPython's tuple hash (an xxHash-like mix, ``Objects/tupleobject.c``) of small ints is deterministic and
 invertible in its last element, so colliding blocks of in-vocabulary token ids can be searched for with a
@@ -42,7 +42,7 @@ def find(vocab: int, middle: list[int], span: int) -> tuple[list[int], list[int]
                 acc = _step(acc, np.uint64(t))
             # The last token z enters as acc + z * P2: two states that differ by a small multiple of P2
             # are made equal by a pair of in-vocabulary last tokens.
-            w[x * span:(x + 1) * span] = acc * np.uint64(P2_INV)
+            w[x * span : (x + 1) * span] = acc * np.uint64(P2_INV)
     order = np.argsort(w)
     w = w[order]
     gaps = w[1:] - w[:-1]

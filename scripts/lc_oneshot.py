@@ -30,16 +30,32 @@ def main() -> None:
     ap.add_argument("--strategy", default="tensor", choices=["tensor", "attn_head"])
     ap.add_argument("--observer", default="static_minmax")
     args = ap.parse_args()
-    chunks = json.load(open(args.chunks))
+    with open(args.chunks) as f:
+        chunks = json.load(f)
     ds = Dataset.from_dict({"input_ids": chunks, "attention_mask": [[1] * len(c) for c in chunks]})
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(args.model)
-    recipe = QuantizationModifier(kv_cache_scheme={
-        "num_bits": 8, "type": "float", "strategy": args.strategy, "dynamic": False, "symmetric": True,
-        "observer": args.observer})
+    recipe = QuantizationModifier(
+        kv_cache_scheme={
+            "num_bits": 8,
+            "type": "float",
+            "strategy": args.strategy,
+            "dynamic": False,
+            "symmetric": True,
+            "observer": args.observer,
+        }
+    )
     t0 = time.perf_counter()
-    oneshot(model=model, processor=tok, dataset=ds, recipe=recipe, num_calibration_samples=len(chunks),
-            max_seq_length=max(len(c) for c in chunks), pipeline="basic", output_dir=args.out)
+    oneshot(
+        model=model,
+        processor=tok,
+        dataset=ds,
+        recipe=recipe,
+        num_calibration_samples=len(chunks),
+        max_seq_length=max(len(c) for c in chunks),
+        pipeline="basic",
+        output_dir=args.out,
+    )
     print(json.dumps({"llmcompressor_wall_s": round(time.perf_counter() - t0, 2)}))
 
 

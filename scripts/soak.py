@@ -36,15 +36,36 @@ from pathlib import Path
 
 import httpx
 
-SERVE_FLAGS = ["--dtype", "float32", "--kv-cache-dtype", "fp8", "--kv-cache-memory", "64MiB",
-               "--max-model-len", "1024", "--disable-uvicorn-access-log", "--log-interval", "60"]
-SYSTEM = ("You are a helpful assistant of a public library. Answer in at most two sentences and recommend at "
-          "most one book. ") * 12  # ~250 tokens shared by the long prompts
+SERVE_FLAGS = [
+    "--dtype",
+    "float32",
+    "--kv-cache-dtype",
+    "fp8",
+    "--kv-cache-memory",
+    "64MiB",
+    "--max-model-len",
+    "1024",
+    "--disable-uvicorn-access-log",
+    "--log-interval",
+    "60",
+]
+SYSTEM = (
+    "You are a helpful assistant of a public library. Answer in at most two sentences and recommend at most one book. "
+) * 12  # ~250 tokens shared by the long prompts
 TOPICS = ["the ocean", "volcanoes", "castles", "bees", "the moon", "jazz", "chess", "rainforests", "Rome", "owls"]
-BAD_BODIES = [b"[" * 1000 + b"]" * 1000, b'{"model": "\\ud800", "prompt": "hi"}', b'{"prompt": "hi \\udc00"}',
-              b'{"prompt": ', b'{"prompt": "hi", "temperature": Infinity}', b'{"prompt": "hi", "max_tokens": 1000000000}',
-              b'{"prompt": "hi", "seed": 1180591620717411303424}', b'{"prompt": "hi", "top_k": 1.5}',
-              b'{"model": "gpt-17", "prompt": "hi"}', b'{"messages": "hi"}', b"\xff\xfe"]
+BAD_BODIES = [
+    b"[" * 1000 + b"]" * 1000,
+    b'{"model": "\\ud800", "prompt": "hi"}',
+    b'{"prompt": "hi \\udc00"}',
+    b'{"prompt": ',
+    b'{"prompt": "hi", "temperature": Infinity}',
+    b'{"prompt": "hi", "max_tokens": 1000000000}',
+    b'{"prompt": "hi", "seed": 1180591620717411303424}',
+    b'{"prompt": "hi", "top_k": 1.5}',
+    b'{"model": "gpt-17", "prompt": "hi"}',
+    b'{"messages": "hi"}',
+    b"\xff\xfe",
+]
 KINDS = ["stream", "chat_stream", "drop_stream", "abandon", "long_prompt", "bad_body"]
 
 
@@ -59,10 +80,13 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "qkv.cli", "serve", model, "--host", "127.0.0.1",
-                                      "--port", str(self.port), *flags], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env)
+        self.log = open(log_path, "w")  # noqa: SIM115 - the server writes it until stop() closes it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "qkv.cli", "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *flags],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         deadline = time.monotonic() + 600
         while True:
             if self.proc.poll() is not None:
@@ -79,12 +103,20 @@ class Server:
     def sample(self) -> dict:
         pid = self.proc.pid
         fds = len(os.listdir(f"/proc/{pid}/fd"))  # before this sample's own connection opens
-        rss_kib = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                       if line.startswith("VmRSS:"))
+        rss_kib = next(
+            int(line.split()[1])
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if line.startswith("VmRSS:")
+        )
         kv = httpx.get(self.url + "/debug/kv", timeout=60).json()
-        return {"t": time.monotonic(), "rss_mib": rss_kib / 1024, "fds": fds,
-                "blocks_held": kv["num_referenced_blocks"], "blocks_cached": kv["num_cached_blocks"],
-                "unfinished": kv["num_unfinished_requests"]}
+        return {
+            "t": time.monotonic(),
+            "rss_mib": rss_kib / 1024,
+            "fds": fds,
+            "blocks_held": kv["num_referenced_blocks"],
+            "blocks_cached": kv["num_cached_blocks"],
+            "unfinished": kv["num_unfinished_requests"],
+        }
 
     def wait_idle(self, timeout: float = 300) -> dict:
         deadline = time.monotonic() + timeout
@@ -111,8 +143,7 @@ class Load:
         self.records: list[tuple[float, str, int, float]] = []
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self.worker, args=(seed + i,), daemon=True)
-                        for i in range(concurrency)]
+        self.threads = [threading.Thread(target=self.worker, args=(seed + i,), daemon=True) for i in range(concurrency)]
 
     def record(self, kind: str, status: int, t0: float) -> None:
         with self.lock:
@@ -139,8 +170,12 @@ class Load:
         return r.status_code if lines and lines[-1] == "data: [DONE]" else -2
 
     def chat_stream(self, client, rng) -> int:
-        body = {"messages": [{"role": "user", "content": f"What is special about {rng.choice(TOPICS)}?"}],
-                "max_tokens": rng.randint(8, 32), "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "messages": [{"role": "user", "content": f"What is special about {rng.choice(TOPICS)}?"}],
+            "max_tokens": rng.randint(8, 32),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with client.stream("POST", "/v1/chat/completions", json=body) as r:
             lines = [ln for ln in r.iter_lines() if ln]
         return r.status_code if lines and lines[-1] == "data: [DONE]" else -2
@@ -154,19 +189,29 @@ class Load:
         return r.status_code
 
     def abandon(self, client, rng) -> int:
-        client.post("/v1/completions", json={"prompt": "Write a long story.", "max_tokens": 300,
-                                             "ignore_eos": True}, timeout=0.3)
+        client.post(
+            "/v1/completions",
+            json={"prompt": "Write a long story.", "max_tokens": 300, "ignore_eos": True},
+            timeout=0.3,
+        )
         return 200  # not reached unless the server answered within 0.3 s
 
     def long_prompt(self, client, rng) -> int:
-        body = {"messages": [{"role": "system", "content": SYSTEM},
-                             {"role": "user", "content": f"A book about {rng.choice(TOPICS)}?"}],
-                "max_tokens": rng.randint(4, 16)}
+        body = {
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"A book about {rng.choice(TOPICS)}?"},
+            ],
+            "max_tokens": rng.randint(4, 16),
+        }
         return client.post("/v1/chat/completions", json=body).status_code
 
     def bad_body(self, client, rng) -> int:
-        r = client.post(rng.choice(["/v1/completions", "/v1/chat/completions"]), content=rng.choice(BAD_BODIES),
-                        headers={"Content-Type": "application/json"})
+        r = client.post(
+            rng.choice(["/v1/completions", "/v1/chat/completions"]),
+            content=rng.choice(BAD_BODIES),
+            headers={"Content-Type": "application/json"},
+        )
         return r.status_code
 
 
@@ -187,19 +232,28 @@ def summarize(samples: list[dict], records: list, t_start: float, duration: floa
         status: dict[str, int] = {}
         for r in recs:
             status[str(r[2])] = status.get(str(r[2]), 0) + 1
-        minutes.append({
-            "minute": m + 1, "requests": len(recs), "by_status": dict(sorted(status.items())),
-            "p50_latency_s": percentile(done, 50), "p99_latency_s": percentile(done, 99),
-            "rss_mib": round(smp[-1]["rss_mib"], 1), "rss_mib_max": round(max(s["rss_mib"] for s in smp), 1),
-            "fds": smp[-1]["fds"], "fds_max": max(s["fds"] for s in smp),
-            "blocks_held": smp[-1]["blocks_held"], "blocks_held_max": max(s["blocks_held"] for s in smp),
-            "loadavg_1m": smp[-1].get("loadavg_1m"),
-        })
+        minutes.append(
+            {
+                "minute": m + 1,
+                "requests": len(recs),
+                "by_status": dict(sorted(status.items())),
+                "p50_latency_s": percentile(done, 50),
+                "p99_latency_s": percentile(done, 99),
+                "rss_mib": round(smp[-1]["rss_mib"], 1),
+                "rss_mib_max": round(max(s["rss_mib"] for s in smp), 1),
+                "fds": smp[-1]["fds"],
+                "fds_max": max(s["fds"] for s in smp),
+                "blocks_held": smp[-1]["blocks_held"],
+                "blocks_held_max": max(s["blocks_held"] for s in smp),
+                "loadavg_1m": smp[-1].get("loadavg_1m"),
+            }
+        )
     return minutes
 
 
 def plot(result: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -221,8 +275,11 @@ def plot(result: dict, path: Path) -> None:
     for ax in axes[1]:
         ax.set_xlabel("minutes")
     c = result["checks"]
-    fig.suptitle(f"qkv serve soak: {result['total_requests']} requests, {c['responses_5xx']} responses >= 500, "
-                 f"RSS {c['rss_growth_after_first_minute_pct']:+.2f}% after minute 1", fontsize=11)
+    fig.suptitle(
+        f"qkv serve soak: {result['total_requests']} requests, {c['responses_5xx']} responses >= 500, "
+        f"RSS {c['rss_growth_after_first_minute_pct']:+.2f}% after minute 1",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -275,23 +332,36 @@ def main() -> None:
     server_log = log_path.read_text(errors="replace")
     result = {
         "command": "python scripts/soak.py " + " ".join(sys.argv[1:]),
-        "model": args.model, "serve_flags": flags, "duration_s": args.duration, "concurrency": args.concurrency,
-        "cpu_count": os.cpu_count(), "loadavg_start_end": [samples[0]["loadavg_1m"], samples[-1]["loadavg_1m"]],
-        "total_requests": len(records), "by_kind_and_status": by_kind,
+        "model": args.model,
+        "serve_flags": flags,
+        "duration_s": args.duration,
+        "concurrency": args.concurrency,
+        "cpu_count": os.cpu_count(),
+        "loadavg_start_end": [samples[0]["loadavg_1m"], samples[-1]["loadavg_1m"]],
+        "total_requests": len(records),
+        "by_kind_and_status": by_kind,
         "idle_before": {k: idle_before[k] for k in ("rss_mib", "fds", "blocks_held", "blocks_cached")},
         "idle_after": {k: idle_after[k] for k in ("rss_mib", "fds", "blocks_held", "blocks_cached")},
         "minutes": minutes,
         "checks": {
-            "rss_mib_end_of_minute_1": rss_minute1, "rss_mib_end": round(rss_end, 1),
+            "rss_mib_end_of_minute_1": rss_minute1,
+            "rss_mib_end": round(rss_end, 1),
             "rss_growth_after_first_minute_pct": round(100 * (rss_end - rss_minute1) / rss_minute1, 2),
             "rss_mib_max_after_first_minute": max(m["rss_mib_max"] for m in minutes[1:]) if minutes[1:] else None,
-            "rss_max_growth_after_first_minute_pct": round(100 * (max(m["rss_mib_max"] for m in minutes[1:])
-                                                                  - rss_minute1) / rss_minute1, 2)
-            if minutes[1:] else None,
-            "fds_idle_before": idle_before["fds"], "fds_idle_after": idle_after["fds"],
-            "blocks_held_idle_before": idle_before["blocks_held"], "blocks_held_idle_after": idle_after["blocks_held"],
-            "responses_5xx": five_xx, "transport_errors": transport_errors, "health_after": health,
-            "tracebacks_in_server_log": server_log.count("Traceback"), "server_exit_code": rc,
+            "rss_max_growth_after_first_minute_pct": round(
+                100 * (max(m["rss_mib_max"] for m in minutes[1:]) - rss_minute1) / rss_minute1, 2
+            )
+            if minutes[1:]
+            else None,
+            "fds_idle_before": idle_before["fds"],
+            "fds_idle_after": idle_after["fds"],
+            "blocks_held_idle_before": idle_before["blocks_held"],
+            "blocks_held_idle_after": idle_after["blocks_held"],
+            "responses_5xx": five_xx,
+            "transport_errors": transport_errors,
+            "health_after": health,
+            "tracebacks_in_server_log": server_log.count("Traceback"),
+            "server_exit_code": rc,
         },
         "samples": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()} for s in samples],
     }

@@ -1,5 +1,4 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,12 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_models import make_tiny_model  # noqa: E402
+from support.tiny_models import make_tiny_model  # noqa: E402 - tests/ is on the path (pytest's pythonpath)
 
 from qkv.data_files import find_data_file, not_found  # noqa: E402
-
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +42,7 @@ def data_file():
     tests behind the README's numbers can never pass there by skipping. Outside CI,
     ``QKV_ALLOW_MISSING_DATA=1`` turns the failure into a skip that says why.
     """
+
     def find(name: str) -> Path:
         path = find_data_file(name)
         if path is None:
@@ -59,10 +56,10 @@ def data_file():
 
 
 def pytest_collection_modifyitems(config, items):
-    # Real-model tests pull and convert checkpoints on first use; QKV_SKIP_SLOW=1 leaves them out of a quick
-    # local run. Never in CI (CI=true), where every test runs.
+    # Real-model tests pull and convert checkpoints on first use, and the compile check takes minutes;
+    # QKV_SKIP_SLOW=1 leaves both out of a quick local run. Never in CI (CI=true), where every test runs.
     if os.environ.get("QKV_SKIP_SLOW") == "1" and os.environ.get("CI") != "true":
-        skip = pytest.mark.skip(reason="real-model test left out of a quick local run (QKV_SKIP_SLOW=1)")
+        skip = pytest.mark.skip(reason="slow or compile test left out of a quick local run (QKV_SKIP_SLOW=1)")
         for item in items:
-            if "slow" in item.keywords:
+            if "slow" in item.keywords or "compile" in item.keywords:
                 item.add_marker(skip)

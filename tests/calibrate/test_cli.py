@@ -1,0 +1,171 @@
+"""`qkv calibrate` from the command line: the happy path, data-free calibration, and every bad input
+ending in one clear line."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qkv.cli import main
+
+TEXT = "Paged attention stores keys and values in fixed blocks of sixteen tokens. " * 60
+
+
+@pytest.fixture()
+def corpus(tmp_path):
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT)
+    return f
+
+
+def _run(capsys, *argv):
+    rc = main(["calibrate", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _error(capsys, *argv) -> str:
+    rc, out, err = _run(capsys, *argv, "--no-progress")
+    lines = [ln for ln in err.splitlines() if ln.startswith("qkv: error:")]
+    assert rc == 2 and len(lines) == 1, err
+    return lines[0]
+
+
+def test_cli_writes_a_calibrated_model(capsys, tiny_dir, corpus, tmp_path):
+    out = tmp_path / "out"
+    rc, stdout, _ = _run(
+        capsys,
+        tiny_dir("qwen3"),
+        "--dataset",
+        corpus,
+        "--num-samples",
+        3,
+        "--seq-len",
+        48,
+        "--kv-cache-dtype",
+        "int8",
+        "--strategy",
+        "head",
+        "--observer",
+        "percentile",
+        "--percentile",
+        99.9,
+        "--seed",
+        7,
+        "-o",
+        out,
+        "--no-progress",
+    )
+    assert rc == 0
+    assert "K amax" in stdout and "int8 / head / percentile (P99.9)" in stdout  # the summary table
+    rec = json.loads((out / "calibration.json").read_text())
+    assert rec["observer"] == "percentile" and rec["percentile"] == 99.9 and rec["seed"] == 7
+    assert rec["dataset"]["source"] == "local" and rec["dataset"]["path"] == str(corpus.resolve())
+    assert rec["tokens"] == 3 * 48 and rec["data_free"] is False and rec["wall_time_s"] > 0
+    assert all(0 < row["k"]["clip_rate"] < 0.01 for row in rec["layers"])
+    # the output serves: int8 cache with its own scales
+    from qkv import LLM
+
+    llm = LLM(str(out), kv_cache_dtype="int8", num_blocks=16)
+    assert llm.generate("Paged attention")[0].outputs[0].token_ids
+    # an existing output needs --overwrite
+    assert "pass --overwrite" in _error(capsys, tiny_dir("qwen3"), "--dataset", corpus, "-o", out)
+
+
+def test_data_free_calibration(capsys, tiny_dir, tmp_path):
+    out = tmp_path / "free"
+    rc, stdout, _ = _run(capsys, tiny_dir("gemma3"), "--num-samples", 2, "--seq-len", 24, "-o", out, "--no-progress")
+    assert rc == 0 and "data-free" in stdout
+    rec = json.loads((out / "calibration.json").read_text())
+    assert rec["data_free"] is True and rec["dataset"]["source"] == "self-generated"
+    assert rec["dataset"]["prompts"] and rec["tokens"] == 48
+
+
+# -- bad input: one line each ------------------------------------------------------------------------------
+
+
+def test_unknown_dataset_path(capsys, tiny_dir, tmp_path):
+    msg = _error(capsys, tiny_dir("llama"), "--dataset", tmp_path / "nope.jsonl", "-o", tmp_path / "o")
+    assert "unknown dataset" in msg and "no such file or folder" in msg
+
+
+def test_unknown_hub_dataset(capsys, tiny_dir, tmp_path, monkeypatch):
+    import datasets
+
+    import qkv.calibrate.data as data
+
+    def not_found(*a, **k):
+        raise datasets.exceptions.DatasetNotFoundError("Dataset 'no-such-org/no-such-data' doesn't exist on the Hub")
+
+    monkeypatch.setattr(data, "hub_offline_reason", lambda: None)  # pretend the hub answers
+    monkeypatch.setattr(datasets, "load_dataset", not_found)
+    msg = _error(capsys, tiny_dir("llama"), "--dataset", "no-such-org/no-such-data", "-o", tmp_path / "o")
+    assert "unknown dataset 'no-such-org/no-such-data'" in msg and "not found on the Hugging Face hub" in msg
+
+
+def test_offline_hub(capsys, tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    msg = _error(capsys, tiny_dir("llama"), "--dataset", "no-such-org/no-such-data", "-o", tmp_path / "o")
+    assert "hub is offline (HF_HUB_OFFLINE=1 is set)" in msg and "pass a local" in msg
+
+
+def test_missing_text_column_names_the_columns(capsys, tiny_dir, tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"body": TEXT, "id": i}) for i in range(3)))
+    msg = _error(capsys, tiny_dir("llama"), "--dataset", f, "--text-column", "text", "-o", tmp_path / "o")
+    assert "--text-column 'text' is not in the dataset; available columns: body, id" in msg
+    msg = _error(capsys, tiny_dir("llama"), "--dataset", f, "-o", tmp_path / "o")
+    assert "pass --text-column (available columns: body, id)" in msg
+
+
+@pytest.mark.parametrize("content", ["", "   \n\n  \n"])
+def test_empty_dataset(capsys, tiny_dir, tmp_path, content):
+    f = tmp_path / "empty.txt"
+    f.write_text(content)
+    assert "empty dataset" in _error(capsys, tiny_dir("llama"), "--dataset", f, "-o", tmp_path / "o")
+    for name, body in (("e.json", "[]"), ("e.jsonl", "\n\n")):
+        (tmp_path / name).write_text(body)
+        assert "empty dataset" in _error(capsys, tiny_dir("llama"), "--dataset", tmp_path / name, "-o", tmp_path / "o")
+    d = tmp_path / "emptydir"
+    d.mkdir()
+    assert "empty dataset" in _error(capsys, tiny_dir("llama"), "--dataset", d, "-o", tmp_path / "o")
+
+
+def test_too_few_tokens_says_how_many(capsys, tiny_dir, tmp_path):
+    f = tmp_path / "short.txt"
+    f.write_text("The quick brown fox jumps over the lazy dog.")
+    msg = _error(capsys, tiny_dir("llama"), "--dataset", f, "--num-samples", 8, "--seq-len", 64, "-o", tmp_path / "o")
+    from transformers import AutoTokenizer
+
+    n = len(
+        AutoTokenizer.from_pretrained(str(tiny_dir("llama")))(
+            "The quick brown fox jumps over the lazy dog.\n\n", add_special_tokens=False
+        )["input_ids"]
+    )
+    assert f"too few tokens: the dataset has {n} tokens" in msg and "needs 512" in msg
+
+
+def test_model_that_cannot_be_loaded(capsys, corpus, tmp_path):
+    msg = _error(capsys, tmp_path / "no-model-here", "--dataset", corpus, "-o", tmp_path / "o")
+    assert "no-model-here" in msg
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    msg = _error(capsys, broken, "--dataset", corpus, "-o", tmp_path / "o")
+    assert "broken" in msg and ("cannot load model" in msg or "checkpoint" in msg)
+
+
+def test_bad_flags(capsys, tiny_dir, corpus, tmp_path):
+    m = tiny_dir("llama")
+    assert "--percentile only applies" in _error(
+        capsys, m, "--dataset", corpus, "--percentile", 99, "-o", tmp_path / "o"
+    )
+    assert "need --dataset" in _error(capsys, m, "--split", "validation", "-o", tmp_path / "o")
+    assert "--percentile must be in (0, 100]" in _error(
+        capsys, m, "--dataset", corpus, "--observer", "percentile", "--percentile", 120, "-o", tmp_path / "o"
+    )
+    assert "exceeds the model's max_position_embeddings" in _error(
+        capsys, m, "--dataset", corpus, "--seq-len", 4096, "--num-samples", 1, "-o", tmp_path / "o"
+    )
+    assert not Path(tmp_path / "o").exists()

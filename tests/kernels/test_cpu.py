@@ -1,0 +1,293 @@
+"""The fused CPU kernels (kernels/csrc/paged_cpu.cpp) against the torch reference.
+
+* Cache writes are byte for byte the reference's, for every cache dtype, with rotation,
+  per-channel scales and the values that stress rounding (ties, subnormals, saturation, NaN).
+* fp8 bytes decode exactly: all 256 codes of e4m3 and e5m2 read back through attention.
+* Attention agrees with the reference within 1e-5 (fp32) / bf16 rounding, with windows,
+  GQA, rotation and per-channel scales.
+* Rows are batch-invariant: a query row gives the same bits alone, in a batch, in any
+  prefill chunking and at any thread count; stale NaN bytes are never read.
+"""
+
+import logging
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from support.paged import bits, paged_scenario, write_step
+
+from qkv.attention import get_backend
+from qkv.kernels.cpu_attention import CpuKernels
+from qkv.kernels.cpu_build import KernelBuildError
+from qkv.kernels.paged import PagedLayer, StepMetadata
+from qkv.kernels.quant import STORAGE_DTYPES, resolve_cache_dtype
+from qkv.kernels.reference import TorchReference
+from qkv.registry import default_cache_dir
+
+DTYPES = list(STORAGE_DTYPES)
+BS = 16
+ref = TorchReference()
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    return CpuKernels.build(default_cache_dir() / "kernels")
+
+
+def _special(dt) -> torch.Tensor:
+    """Values of x / scale at rounding ties, grid points, subnormals and saturation, plus NaN/inf/-0."""
+    extra = [0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 1e-30, -1e-30, 500.0, -500.0]
+    if dt.kind == "int":
+        return torch.cat(
+            [
+                torch.arange(-130, 130, dtype=torch.float32) + 0.5,
+                torch.tensor(extra + [126.4, 126.6, 127.6, -127.6, 128.0, 0.49, 0.51]),
+            ]
+        )
+    if dt.kind == "none":
+        return torch.tensor(extra + [1.0 + 2**-8, 1.0 + 3 * 2**-9, 65504.0, 70000.0, 2**-24, 2**-25])
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt.storage).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2  # exact ties, subnormals included
+    return torch.cat(
+        [
+            grid,
+            -grid,
+            mids,
+            -mids,
+            mids * (1 + 2**-20),
+            mids * (1 - 2**-20),
+            torch.tensor(extra + [dt.qmax * 1.0001, 464.0, 465.0]),
+        ]
+    )
+
+
+def _kv_inputs(dt, tokens: int, heads: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = tokens * heads * dim
+    rand = torch.randn(n, generator=g) * torch.exp2(torch.randint(-12, 10, (n,), generator=g).float())
+    x = torch.cat([_special(dt), rand])[:n]
+    return x[torch.randperm(n, generator=g)].view(tokens, heads, dim).to(dtype)
+
+
+def _static_scales(dt, heads: int, dim: int, channel: bool, seed: int):
+    if not dt.quantized or dt.dynamic:
+        return None, None
+    g = torch.Generator().manual_seed(seed)
+    shape = (heads, dim) if channel else (heads,)
+    return torch.rand(shape, generator=g) * 0.5 + 0.25, torch.rand(shape, generator=g) * 0.5 + 0.25
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_write_bytes_equal_reference(kernels, name, rotate, in_dtype):
+    dt = resolve_cache_dtype(name)
+    heads, dim, blocks = 3, 64, 12
+    for channel in (False, True) if dt.quantized and not dt.dynamic else (False,):
+        key = _kv_inputs(dt, 100, heads, dim, in_dtype, 1)
+        value = _kv_inputs(dt, 100, heads, dim, in_dtype, 2)
+        ks, vs = _static_scales(dt, heads, dim, channel, 3)
+        slots = torch.randperm((blocks - 1) * BS, generator=torch.Generator().manual_seed(4))[:100] + BS
+        slots[[5, 17]] = -1  # padding tokens: nothing is written
+        meta = write_step(slots)
+        layers = []
+        for backend in (ref, kernels):
+            cache = torch.zeros(blocks, 2, BS, heads, dim, dtype=dt.storage)
+            sc = torch.full((blocks, 2, BS, heads), 7.0) if dt.dynamic else None
+            layer = PagedLayer(cache, dt, ks, vs, sc, rotate)
+            backend.write(layer, key, value, meta)
+            layers.append(layer)
+        assert torch.equal(bits(layers[0].kv), bits(layers[1].kv)), f"{name} channel={channel}"
+        if dt.dynamic:
+            torch.testing.assert_close(layers[1].scale_cache, layers[0].scale_cache, rtol=0, atol=0, equal_nan=True)
+
+
+def test_write_accepts_strided_inputs(kernels):
+    """K and V arrive as views of the fused qkv projection: rows are strided, the last dim is not."""
+    dt = resolve_cache_dtype("fp8_e4m3")
+    fused = torch.randn(20, 2, 3, 32)
+    meta = write_step(torch.arange(20) + BS)
+    out = []
+    for backend in (ref, kernels):
+        layer = PagedLayer(
+            torch.zeros(4, 2, BS, 3, 32, dtype=dt.storage), dt, torch.tensor([0.01]), torch.tensor([0.02])
+        )
+        backend.write(layer, fused[:, 0], fused[:, 1], meta)
+        out.append(bits(layer.kv))
+    assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_every_fp8_code_decodes_exactly(kernels, name):
+    """One cached token whose V holds all 256 codes: attention over it returns V exactly (p = 1)."""
+    dt = resolve_cache_dtype(name)
+    heads, dim = 4, 64
+    cache = torch.zeros(2, 2, BS, heads, dim, dtype=torch.uint8)
+    cache[1, 1, 0] = torch.arange(256, dtype=torch.uint8).view(heads, dim)
+    one = torch.ones(heads)
+    layer = PagedLayer(cache.view(dt.storage), dt, one, one)
+    out = kernels.attend(layer, torch.randn(1, heads, dim), StepMetadata.build([BS], [[1]], [1]), dim**-0.5)
+    expected = torch.arange(256, dtype=torch.uint8).view(dt.storage).float().view(heads, dim)
+    torch.testing.assert_close(out[0], expected, rtol=0, atol=0, equal_nan=True)
+
+
+CASES = [
+    (name, window, rotate, channel)
+    for name in DTYPES
+    for window in (None, 20)
+    for rotate in (False, True)
+    for channel in (False, True)
+    if not (channel and (not resolve_cache_dtype(name).quantized or resolve_cache_dtype(name).dynamic))
+]
+
+
+@pytest.mark.parametrize("name, window, rotate, channel", CASES)
+def test_attention_matches_reference(kernels, name, window, rotate, channel):
+    heads, group, dim = 2, 3, 32
+    q_lens, seq_lens = [1, 5, 40, 1, 33], [50, 5, 60, 17, 70]
+    sc = paged_scenario(
+        name,
+        seq_lens,
+        q_lens,
+        hq=heads * group,
+        hkv=heads,
+        d=dim,
+        granularity="channel" if channel else "head",
+        rotate=rotate,
+        window=window,
+        block_size=BS,
+    )
+    for qdt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        q = sc.query.to(qdt)
+        want = ref.attend(sc.layer, q, sc.meta, sc.sm_scale)
+        got = kernels.attend(sc.layer, q, sc.meta, sc.sm_scale)
+        assert got.dtype == qdt
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gqa_groups(kernels, group):
+    sc = paged_scenario("int8_per_token_head", [37, 90], [3, 1], hq=2 * group, hkv=2, d=64, block_size=BS)
+    assert sc.sm_scale == 0.125
+    want = ref.attend(sc.layer, sc.query, sc.meta, sc.sm_scale)
+    got = kernels.attend(sc.layer, sc.query, sc.meta, sc.sm_scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "fp8_e4m3", "int8_per_token_head"])
+def test_rows_do_not_depend_on_batch_chunking_or_threads(kernels, name):
+    """A sequence's output rows are bit-identical alone, inside a batch, split into prefill chunks
+    of any size, and at 1 or 2 threads: every row runs the same operations in the same order."""
+    heads, group, dim, window = 3, 3, 64, 48
+    seq_lens = [70, 9, 130]
+    sc = paged_scenario(
+        name,
+        seq_lens,
+        seq_lens,
+        hq=heads * group,
+        hkv=heads,
+        d=dim,
+        window=window,
+        block_size=BS,
+        q_dtype=torch.bfloat16,
+    )
+    q = sc.query
+
+    starts = [sum(seq_lens[:s]) for s in range(len(seq_lens))]
+
+    def attend(chunks: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One call over query chunks (sequence, first position, end position) as the engine would batch them."""
+        query = torch.cat([q[starts[s] + a : starts[s] + b] for s, a, b in chunks])
+        return kernels.attend(sc.layer, query, sc.step(chunks), sc.sm_scale)
+
+    whole = attend([(s, 0, n) for s, n in enumerate(seq_lens)])
+    calls = [[(2, 0, 7)], [(2, 7, 8)], [(2, 8, 100), (0, 0, 70)], [(1, 0, 9), (2, 100, 129)], [(2, 129, 130)]]
+    for chunks in calls:  # prefill in uneven chunks, mixed with other sequences, then one decode row
+        expected = torch.cat([whole[starts[s] + a : starts[s] + b] for s, a, b in chunks])
+        assert torch.equal(attend(chunks), expected), chunks
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(attend([(s, 0, n) for s, n in enumerate(seq_lens)]), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_stale_nan_bytes_are_never_read(kernels):
+    """Slots past a sequence's length and before its window hold NaN codes (0x7f): outputs do not change."""
+    seq_lens, window = [40, 75], 24
+    sc = paged_scenario(
+        "fp8_e4m3", seq_lens, [1, 3], hq=4, hkv=2, d=32, window=window, block_size=BS, stale=(0x7F, 0x7F)
+    )
+    layer = sc.layer
+    used = torch.zeros(layer.kv.shape[:3], dtype=torch.bool)
+    for i, n in enumerate(seq_lens):
+        for p in range(n):
+            used[sc.tables[i, p // BS], :, p % BS] = True
+    poisoned = layer.kv.clone().view(torch.uint8)
+    assert bool((poisoned[~used] == 0x7F).all())
+    clean = poisoned.clone()
+    clean[~used] = 0
+    first = sc.tables[1, 0]
+    poisoned[first, :, :8] = 0x7F  # positions 0-7 of sequence 1 fall before every window below
+    a = kernels.attend(replace(layer, kv=clean.view(layer.dt.storage)), sc.query, sc.meta, 0.2)
+    b = kernels.attend(replace(layer, kv=poisoned.view(layer.dt.storage)), sc.query, sc.meta, 0.2)
+    assert torch.isfinite(b).all() and torch.equal(a, b)
+
+
+def test_bad_shapes_name_the_problem(kernels):
+    """The CPU kernels' own limits are raised when a layer is prepared (and so by a first write); the layout's,
+    when the layer is built; the query's, by attention."""
+    dt = resolve_cache_dtype("fp8_e4m3")
+    layer = PagedLayer(torch.zeros(4, 2, BS, 2, 12, dtype=dt.storage), dt, torch.ones(2), torch.ones(2))
+    with pytest.raises(ValueError, match=r"head_dim % 8 == 0"):
+        kernels.prepare(layer)
+    with pytest.raises(ValueError, match=r"head_dim % 8 == 0"):
+        kernels.write(layer, torch.zeros(1, 2, 12), torch.zeros(1, 2, 12), write_step([16]))
+    cache = torch.zeros(4, 2, BS, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not match fp8_e4m3 storage"):
+        PagedLayer(cache, dt, torch.ones(2), torch.ones(2))
+    with pytest.raises(ValueError, match=r"k_scale must have shape \[num_kv_heads=2\]"):
+        PagedLayer(cache.to(dt.storage), dt, torch.ones(3), torch.ones(2))
+    with pytest.raises(ValueError, match=r"query must be \[T, Hq, 16\] with Hq a multiple of 2"):
+        kernels.attend(
+            PagedLayer(cache, resolve_cache_dtype("bfloat16")),
+            torch.zeros(1, 3, 16),
+            StepMetadata.build([0], torch.zeros(1, 1, dtype=torch.int32), [1]),
+            0.25,
+        )
+
+
+def test_no_compiler_falls_back_to_reference_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="qkv"):
+        backend = get_backend(None, torch.device("cpu"))
+        get_backend(None, torch.device("cpu"))
+    assert backend.name == "torch"
+    warnings = [r.getMessage() for r in caplog.records if "could not be built" in r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler found" in warnings[0]
+    with pytest.raises(KernelBuildError, match="no C.. compiler found"):
+        get_backend("cpu", torch.device("cpu"))
+
+
+def test_march_override_builds_another_library(monkeypatch, tmp_path):
+    """QKV_CPU_MARCH (what .ci/run's AVX2 rerun sets) replaces -march=native and names its own library."""
+    from qkv.kernels.cpu_build import CXXFLAGS, build_library, cxxflags
+
+    assert cxxflags() == CXXFLAGS or "QKV_CPU_MARCH" in os.environ
+    monkeypatch.setenv("QKV_CPU_MARCH", "x86-64-v3")
+    flags = cxxflags()
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags and len(flags) == len(CXXFLAGS)
+    build_library.cache_clear()
+    try:
+        build_library(tmp_path)
+        monkeypatch.delenv("QKV_CPU_MARCH")
+        build_library.cache_clear()
+        build_library(tmp_path)
+    finally:
+        build_library.cache_clear()
+    assert len(list(tmp_path.glob("qkv_paged_cpu-*.so"))) == 2
