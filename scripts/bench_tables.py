@@ -1,6 +1,7 @@
-"""Print the README's benchmark tables from the JSON files that scripts/bench_cpu.sh writes.
+"""Print the README's and docs/benchmarks.md's tables from committed JSON files.
 
-    python scripts/bench_tables.py [eval/results/bench]
+    python scripts/bench_tables.py [eval/results/bench]          # every benchmark table (scripts/bench_cpu.sh)
+    python scripts/bench_tables.py --accuracy REPORT.json        # the accuracy table of one `qkv eval` report
 
 Every ratio printed here was measured side by side in one run of one mode; the tables only reformat them.
 """
@@ -69,23 +70,55 @@ def prefix(rep: dict) -> list[str]:
     base = rep["baseline"]
     base_key = next(k for k in rep["results"] if k.startswith(base))  # with a tier: "bf16+ram"
     head = f"| config | cold TTFT ms | cold vs {base_key} | hit TTFT ms | cold / hit |"
-    rows += [head + (" tier-hit TTFT ms | tier hit / cold | tier load share |" if tier else ""),
-             "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if tier else "")]
+    rows += [
+        head + (" tier-hit TTFT ms | tier hit / cold | tier load share |" if tier else ""),
+        "| --- | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if tier else ""),
+    ]
     for label, r in rep["results"].items():
-        line = (f"| {label} | {r['cold_ttft_ms']:.0f} | {r['cold_ttft_ratio_to_' + base_key]:.2f}x | "
-                f"{r['hit_ttft_ms']:.1f} | {r['cold_over_hit']:.1f}x |")
+        line = (
+            f"| {label} | {r['cold_ttft_ms']:.0f} | {r['cold_ttft_ratio_to_' + base_key]:.2f}x | "
+            f"{r['hit_ttft_ms']:.1f} | {r['cold_over_hit']:.1f}x |"
+        )
         if tier:
-            line += (f" {r['tier_hit_ttft_ms']:.1f} | {r['tier_hit_over_cold']:.3f} | "
-                     f"{r['tier_load_share_of_ttft']:.2f} |")
+            line += (
+                f" {r['tier_hit_ttft_ms']:.1f} | {r['tier_hit_over_cold']:.3f} | {r['tier_load_share_of_ttft']:.2f} |"
+            )
         rows.append(line)
     return rows
 
 
+def accuracy(rep: dict) -> list[str]:
+    """One row per configuration: KV bytes per token, ppl delta with its 95 % interval, mean KL, top-1."""
+    setup = rep["setup"]
+    rows = [
+        f"{rep['model']['name']}, {setup['num_windows']} x {setup['window']} tokens of {setup['dataset']}, "
+        f"baseline {rep['baseline']} ({rep['environment']['cpu']}):",
+        "",
+        "| configuration | KV bytes/token | Δppl (95 % interval) | mean KL | top-1 agreement | gate |",
+        "| --- | ---: | --- | ---: | ---: | --- |",
+    ]
+    for label, a in rep["accuracy"].items():
+        lo, hi = a["ppl_delta_pct_ci95"]
+        rows.append(
+            f"| {label} | {rep['memory'][label]['kv_bytes_per_token']:,} | {a['ppl_delta_pct']:+.2f} % "
+            f"[{lo:+.2f}, {hi:+.2f}] | {a['kl_mean']:.4f} | {100 * a['top1_agreement']:.1f} % | "
+            f"{rep['verdicts'][label]['verdict']} |"
+        )
+    return rows
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--accuracy"]:
+        print("\n".join(accuracy(json.loads(Path(argv[1]).read_text()))))
+        return 0
     folder = Path(argv[0] if argv else "eval/results/bench")
-    for name, render in (("throughput_smollm2.json", throughput), ("latency_smollm2.json", latency),
-                         ("decode16_smollm2.json", latency),
-                         ("prefix_smollm2.json", prefix), ("prefix_offload_smollm2.json", prefix)):
+    for name, render in (
+        ("throughput_smollm2.json", throughput),
+        ("latency_smollm2.json", latency),
+        ("decode16_smollm2.json", latency),
+        ("prefix_smollm2.json", prefix),
+        ("prefix_offload_smollm2.json", prefix),
+    ):
         rep = _load(folder, name)
         if rep is not None:
             print(f"<!-- {folder / name} -->")
