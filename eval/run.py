@@ -261,7 +261,7 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
             "decode_prompt_len": args.decode_prompt_len,
             "decode_tokens": args.decode_tokens,
             "kv_cache_memory": args.kv_cache_memory,
-            "cpu_matmul": "float32" if first.matmul_fp32 else "model",
+            "cpu_matmul": first.cpu_matmul,
         },
         "gate": {"max_ppl_delta": max_ppl, "max_kl": max_kl},
         "verdicts": gate.verdicts(acc, base, max_ppl, max_kl),

@@ -22,6 +22,7 @@ SDPA) within its tolerance, not bit for bit.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import weakref
 from pathlib import Path
 
@@ -29,10 +30,15 @@ import torch
 
 from .cpu_build import build_library
 from .paged import PagedLayer, StepMetadata, check_kv, check_query
+from .quant import hadamard_rotate
+from .reference import attend_dense, visible_start
 
-__all__ = ["CpuKernels", "Q_TILE"]
+__all__ = ["CpuKernels", "DENSE_PREFILL_ROWS", "Q_TILE"]
 
 Q_TILE = 16  # query tokens per work item: K/V tiles are dequantized once per item and reused by its rows
+# A prefill chunk of at least this many query tokens goes to torch's SDPA over its gathered K/V instead
+# (``dense_prefill``): a tiled GEMM (AMX or AVX-512 where the CPU has them) against this kernel's row loop.
+DENSE_PREFILL_ROWS = 32
 
 _DTYPE_CODES = {
     torch.float32: 0,
@@ -83,6 +89,18 @@ class _WriteArgs(ctypes.Structure):
         ("stride_vt", _i64),
         ("stride_vh", _i64),
         ("in_dtype", _i32),
+        ("num_threads", _i32),
+    ]
+
+
+class _GatherArgs(ctypes.Structure):
+    _fields_ = [
+        ("cache", _CacheDesc),
+        ("block_table", _ptr),
+        ("start", _i64),
+        ("end", _i64),
+        ("out", _ptr),
+        ("out_dtype", _i32),
         ("num_threads", _i32),
     ]
 
@@ -148,22 +166,31 @@ def _cache_desc(layer: PagedLayer) -> _CacheDesc:
 
 
 class CpuKernels:
-    """The compiled CPU kernels behind the back-end interface (``--attention-backend cpu``)."""
+    """The compiled CPU kernels behind the back-end interface (``--attention-backend cpu``).
+
+    ``dense_prefill``: prefill chunks of :data:`DENSE_PREFILL_ROWS` or more query tokens are gathered
+    (dequantized by ``qkv_gather_kv``) and handed to torch's SDPA, whose tiled kernels are many times faster
+    than the row loop at prefill; decode rows stay on the fused kernel. SDPA's blocking follows the chunk's
+    shape, so with ``dense_prefill=False`` every row runs the fused kernel and a row's bits do not depend on
+    the batch or the chunking (``--batch-invariant``).
+    """
 
     name = "cpu"
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, dense_prefill: bool = False) -> None:
         self._write = lib.qkv_write_kv_cache
         self._attend = lib.qkv_paged_attention
-        for fn, args in ((self._write, _WriteArgs), (self._attend, _AttnArgs)):
+        self._gather = lib.qkv_gather_kv
+        for fn, args in ((self._write, _WriteArgs), (self._attend, _AttnArgs), (self._gather, _GatherArgs)):
             fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
+        self.dense_prefill = dense_prefill
         # One C description per layer, dropped with the layer.
         self._descs: weakref.WeakKeyDictionary[PagedLayer, _CacheDesc] = weakref.WeakKeyDictionary()
 
     @classmethod
-    def build(cls, build_dir: Path) -> CpuKernels:
+    def build(cls, build_dir: Path, dense_prefill: bool = False) -> CpuKernels:
         """Compile on first use (cached in ``build_dir``); raises ``KernelBuildError`` without a compiler."""
-        return cls(build_library(Path(build_dir)))
+        return cls(build_library(Path(build_dir)), dense_prefill)
 
     def prepare(self, layer: PagedLayer) -> None:
         """Check what these kernels cannot run and make the layer's C description (once per layer)."""
@@ -201,6 +228,21 @@ class CpuKernels:
         cache = self._desc(layer)
         check_query(layer, query, meta)
         query = query if query.stride(-1) == 1 else query.contiguous()
+        split = meta.plan(("cpu_dense", DENSE_PREFILL_ROWS), lambda: _split_dense(meta)) if self.dense_prefill else None
+        if split is None:
+            return self._fused(cache, query, meta, sm_scale, layer.sliding_window)
+        dense, rest, rest_rows = split
+        out = torch.empty_like(query)
+        for s in dense:
+            q0, q1 = meta.query_start_host[s], meta.query_start_host[s + 1]
+            out[q0:q1] = self._dense(layer, query[q0:q1], meta, s, sm_scale)
+        if rest is not None:
+            out[rest_rows] = self._fused(cache, query[rest_rows], rest, sm_scale, layer.sliding_window)
+        return out
+
+    def _fused(
+        self, cache: _CacheDesc, query: torch.Tensor, meta: StepMetadata, sm_scale: float, window: int | None
+    ) -> torch.Tensor:
         out = torch.empty_like(query)
         args = _AttnArgs(
             cache=cache,
@@ -217,7 +259,7 @@ class CpuKernels:
             q_dtype=_code(query, "query"),
             num_q_heads=query.shape[1],
             num_seqs=meta.num_seqs,
-            window=int(layer.sliding_window or 0),
+            window=int(window or 0),
             q_tile=Q_TILE,
             num_threads=torch.get_num_threads(),
             sm_scale=float(sm_scale),
@@ -225,3 +267,57 @@ class CpuKernels:
         if query.shape[0] and meta.num_seqs and self._attend(ctypes.byref(args)) != 0:
             raise RuntimeError("qkv_paged_attention failed")
         return out
+
+    def gather(
+        self, layer: PagedLayer, block_table: torch.Tensor, start: int, end: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Positions ``[start, end)`` of one sequence (its int32 ``block_table``) as contiguous ``[2, Hkv, L, D]``
+        K and V in ``dtype``, dequantized exactly as the reference does (``reference.gather_kv``)."""
+        kv = torch.empty(2, layer.num_kv_heads, end - start, layer.head_dim, dtype=dtype)
+        table = block_table.to(torch.int32).contiguous()
+        args = _GatherArgs(
+            cache=self._desc(layer),
+            block_table=table.data_ptr(),
+            start=start,
+            end=end,
+            out=kv.data_ptr(),
+            out_dtype=_code(kv, "the gathered K/V"),
+            num_threads=torch.get_num_threads(),
+        )
+        if self._gather(ctypes.byref(args)) != 0:
+            raise RuntimeError("qkv_gather_kv failed")
+        return kv
+
+    def _dense(
+        self, layer: PagedLayer, query: torch.Tensor, meta: StepMetadata, s: int, sm_scale: float
+    ) -> torch.Tensor:
+        """One long prefill chunk: its visible K/V gathered and dequantized, then the reference's SDPA call."""
+        seq_len, window = meta.seq_lens_host[s], layer.sliding_window
+        start = visible_start(seq_len, query.shape[0], window)
+        kv = self.gather(layer, meta.block_tables[s], start, seq_len, query.dtype)
+        if layer.rotate:  # the cache holds K H and V H: (qH).(kH) = q.k, and the output is rotated back
+            q = hadamard_rotate(query).to(query.dtype)
+            return hadamard_rotate(attend_dense(q, kv[0], kv[1], start, seq_len, window, sm_scale)).to(query.dtype)
+        return attend_dense(query, kv[0], kv[1], start, seq_len, window, sm_scale)
+
+
+def _split_dense(meta: StepMetadata) -> tuple[list[int], StepMetadata | None, torch.Tensor] | None:
+    """The step's sequences with a dense prefill chunk, and the metadata and query rows of the others (once
+    per step, from host lists); ``None`` when no chunk is long enough."""
+    q_lens = meta.q_lens_host
+    dense = [s for s, n in enumerate(q_lens) if n >= DENSE_PREFILL_ROWS]
+    if not dense:
+        return None
+    others = [s for s, n in enumerate(q_lens) if 0 < n < DENSE_PREFILL_ROWS]
+    if not others:
+        return dense, None, torch.empty(0, dtype=torch.long)
+    qsl = meta.query_start_host
+    rows = [r for s in others for r in range(qsl[s], qsl[s + 1])]
+    sub = StepMetadata.build(
+        [0] * len(rows),  # the fused kernel reads no slots; the write used the whole step's
+        meta.block_tables[others],
+        [meta.seq_lens_host[s] for s in others],
+        [0, *itertools.accumulate(q_lens[s] for s in others)],
+        device=meta.seq_lens.device,
+    )
+    return dense, sub, torch.tensor(rows, dtype=torch.long)

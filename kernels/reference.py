@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .paged import PagedLayer, StepMetadata, check_kv, check_query
 from .quant import dequantize, dynamic_scales, hadamard_rotate, quantize
 
-__all__ = ["TorchReference", "attend", "context_mask", "gather_kv", "write"]
+__all__ = ["TorchReference", "attend", "attend_dense", "context_mask", "gather_kv", "visible_start", "write"]
 
 
 def write(layer: PagedLayer, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata) -> None:
@@ -103,36 +103,54 @@ def attend(layer: PagedLayer, query: torch.Tensor, meta: StepMetadata, sm_scale:
 
 def _attend(layer: PagedLayer, query: torch.Tensor, meta: StepMetadata, sm_scale: float) -> torch.Tensor:
     out = torch.empty_like(query)
-    groups = query.shape[1] // layer.num_kv_heads
     window = layer.sliding_window
     qsl = meta.query_start_host
     for s, seq_len in enumerate(meta.seq_lens_host):
         q0, q1 = qsl[s], qsl[s + 1]
-        q_len = q1 - q0
-        if q_len == 0:
+        if q1 == q0:
             continue
-        # Keys older than the window are invisible to every query of this step.
-        start = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        start = visible_start(seq_len, q1 - q0, window)
         k, v = gather_kv(layer, meta.block_tables[s], seq_len, query.dtype, start=start)
-        q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-        k = k.transpose(0, 1).unsqueeze(0)
-        v = v.transpose(0, 1).unsqueeze(0)
-        kv_len = seq_len - start
-        mask = None
-        is_causal = False
-        if q_len == kv_len and q_len > 1 and start == 0 and (window is None or kv_len <= window):
-            is_causal = True
-        elif q_len > 1 or (window is not None and kv_len > window):
-            mask = context_mask(q_len, start, seq_len, window, query.device)
-        if mask is None and groups > 1:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale, enable_gqa=True)
-        else:
-            if groups > 1:
-                k = k.repeat_interleave(groups, dim=1)
-                v = v.repeat_interleave(groups, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale)
-        out[q0:q1] = o[0].transpose(0, 1)
+        out[q0:q1] = attend_dense(query[q0:q1], k.transpose(0, 1), v.transpose(0, 1), start, seq_len, window, sm_scale)
     return out
+
+
+def visible_start(seq_len: int, q_len: int, window: int | None) -> int:
+    """The first key position any of the step's ``q_len`` queries sees: keys older than the window are
+    invisible to every one of them."""
+    return 0 if window is None else max(0, seq_len - q_len - window + 1)
+
+
+def attend_dense(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    start: int,
+    seq_len: int,
+    window: int | None,
+    sm_scale: float,
+) -> torch.Tensor:
+    """One sequence's queries (``[q_len, Hq, D]``, the last of its ``seq_len`` positions) over its contiguous
+    keys and values of positions ``[start, seq_len)`` (``[Hkv, L, D]``), with the SDPA variant transformers
+    picks: ``is_causal`` for a whole prefill, no mask for a decode, an explicit mask otherwise."""
+    q_len = query.shape[0]
+    groups = query.shape[1] // key.shape[0]
+    q, k, v = query.transpose(0, 1).unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+    kv_len = seq_len - start
+    mask = None
+    is_causal = False
+    if q_len == kv_len and q_len > 1 and start == 0 and (window is None or kv_len <= window):
+        is_causal = True
+    elif q_len > 1 or (window is not None and kv_len > window):
+        mask = context_mask(q_len, start, seq_len, window, query.device)
+    if mask is None and groups > 1:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=sm_scale, enable_gqa=True)
+    else:
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=sm_scale)
+    return o[0].transpose(0, 1)
 
 
 class TorchReference:

@@ -57,21 +57,23 @@ def _triton() -> AttentionBackend:
     return TritonKernels()
 
 
-def _cpu() -> AttentionBackend:
-    return CpuKernels.build(default_cache_dir() / "kernels")
+def _cpu(row_invariant: bool) -> AttentionBackend:
+    return CpuKernels.build(default_cache_dir() / "kernels", dense_prefill=not row_invariant)
 
 
-def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
+def get_backend(name: str | None, device: torch.device, row_invariant: bool = False) -> AttentionBackend:
     """``triton`` on CUDA; on a CPU the fused ``cpu`` kernels, or the ``torch`` reference without a compiler.
 
     An explicitly named backend that cannot be built is an error; the default
-    falls back to the reference with one warning.
+    falls back to the reference with one warning. ``row_invariant`` (``--batch-invariant``): every row
+    computed by operations that do not depend on the batch (the CPU kernels then keep long prefill chunks
+    on their fused loop instead of torch's SDPA).
     """
     if name is None:
         if device.type == "cuda":
             return _triton()
         try:
-            return _cpu()
+            return _cpu(row_invariant)
         except KernelBuildError as e:
             _warn_once(
                 f"qkv: the fused CPU attention kernels could not be built ({str(e).splitlines()[0]}); "
@@ -85,7 +87,7 @@ def get_backend(name: str | None, device: torch.device) -> AttentionBackend:
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"--attention-backend cpu runs on the CPU only, but the device is {device}")
-        return _cpu()
+        return _cpu(row_invariant)
     raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTENTION_BACKENDS)}")
 
 

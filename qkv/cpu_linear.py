@@ -45,6 +45,7 @@ from .batch_invariant import BatchInvariantLinear
 __all__ = [
     "CPU_MATMUL_DTYPES",
     "Fp32Linear",
+    "PackedLinear",
     "MIN_ROWS",
     "linear_modes",
     "native_16bit_matmul",
@@ -66,14 +67,19 @@ def native_16bit_matmul(dtype: torch.dtype) -> bool:
     return True
 
 
-def resolve_cpu_matmul(setting: str, model_dtype: torch.dtype, device: torch.device) -> bool:
-    """True when the linears should multiply in fp32: ``float32`` always (16-bit weights on a CPU),
-    ``auto`` where :func:`native_16bit_matmul` says the CPU lacks 16-bit matrix instructions."""
+def resolve_cpu_matmul(setting: str, model_dtype: torch.dtype, device: torch.device) -> str:
+    """How a CPU engine's linears multiply: ``"float32"`` (exact fp32 upcasts, one rounding back), ``"packed"``
+    (the model's 16-bit dtype through oneDNN's inner product on weights reordered once, where the CPU has
+    16-bit matrix instructions and this torch build has oneDNN) or ``"model"`` (plain ``F.linear``, as
+    transformers does). ``auto`` picks ``float32`` on CPUs without 16-bit matrix units and ``packed`` on the
+    others; ``model`` and ``float32`` force theirs. Not a CPU or not a 16-bit model: ``"model"``."""
     if setting not in CPU_MATMUL_DTYPES:
         raise ValueError(f"cpu_matmul_dtype must be one of {', '.join(CPU_MATMUL_DTYPES)}, got {setting!r}")
     if device.type != "cpu" or model_dtype not in (torch.bfloat16, torch.float16) or setting == "model":
-        return False
-    return setting == "float32" or not native_16bit_matmul(model_dtype)
+        return "model"
+    if setting == "float32" or not native_16bit_matmul(model_dtype):
+        return "float32"
+    return "packed" if onednn_available() else "model"
 
 
 _COPIES = "_qkv_fp32_linears"  # attribute of the model holding its linears' fp32 copies, by layout
@@ -153,17 +159,67 @@ class Fp32Linear:
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
+class PackedLinear:
+    """While entered, every 16-bit ``nn.Linear`` of ``model`` multiplies in its own dtype through oneDNN's inner
+    product on a copy of its weight reordered once into oneDNN's blocked layout (AMX or AVX512-BF16 tiles).
+
+    ``F.linear`` on a plain weight makes oneDNN (or MKL) reorder it on every call, which at decode's few rows
+    costs more than the product. The copies (one per distinct tensor, kept on the model and shared by the
+    engines that share it) cost the linear weights' bytes once more; the originals stay for the embedding
+    lookup of tied weights and for other engines."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        cached = model.__dict__.setdefault(_COPIES, {})
+        if "packed" not in cached:
+            cached["packed"] = _packed_copies(model)
+        self.linears: list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]] = cached["packed"]
+
+    def __enter__(self) -> PackedLinear:
+        for m, w, b in self.linears:
+            setattr(m, "forward", functools.partial(self._forward, w, b))  # noqa: B010 (an instance attribute)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m, _, _ in self.linears:
+            m.__dict__.pop("forward", None)
+
+    @staticmethod
+    def _forward(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, b, "none", [], "")
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _packed_copies(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]]:
+    copies: dict[int, torch.Tensor] = {}
+
+    def packed(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in copies:
+            copies[id(t)] = torch.ops.mkldnn._reorder_linear_weight(t.detach(), _ONEDNN_ROWS)
+        return copies[id(t)]
+
+    return [
+        (m, packed(m.weight), None if m.bias is None else m.bias.detach())
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.bfloat16, torch.float16)
+    ]
+
+
 def linear_modes(
-    model: torch.nn.Module, fp32: bool, batch_invariant: bool
+    model: torch.nn.Module, matmul: str, batch_invariant: bool
 ) -> list[Callable[[], contextlib.AbstractContextManager]]:
-    """The runner's modes, in the order it enters them: fp32 GEMMs if ``fp32`` (see :func:`resolve_cpu_matmul`),
-    then the fixed-shape tiles of ``--batch-invariant`` on top, so that every call is tiled before the fp32
-    mode sees it."""
+    """The runner's modes, in the order it enters them: how the linears multiply (``matmul``, see
+    :func:`resolve_cpu_matmul`), then the fixed-shape tiles of ``--batch-invariant`` on top, so that every call
+    is tiled before the fp32 mode sees it. The tiles intercept ``F.linear``, so under them the packed mode gives
+    way to plain ``F.linear`` in the model's dtype and the fp32 mode uses plain fp32 copies."""
     modes: list[Callable[[], contextlib.AbstractContextManager]] = []
-    if fp32:
-        # Under batch invariance every call goes through F.linear, where the fixed-shape tiles intercept it.
-        mode = Fp32Linear(model, min_rows=1 if batch_invariant else MIN_ROWS, onednn=False if batch_invariant else None)
+    if matmul == "float32":
+        mode: contextlib.AbstractContextManager = Fp32Linear(
+            model, min_rows=1 if batch_invariant else MIN_ROWS, onednn=False if batch_invariant else None
+        )
         modes.append(lambda: mode)
+    elif matmul == "packed" and not batch_invariant:
+        packed = PackedLinear(model)
+        modes.append(lambda: packed)
     if batch_invariant:
         modes.append(BatchInvariantLinear)
     return modes

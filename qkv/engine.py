@@ -96,11 +96,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
         # the second tier of prefix blocks (qkv.offload); None unless kv_offloading_size is set
         self.offload = build_offload(config, self.model_path, self.dtype, self.cache, self.pool, self.kv_manager)
-        self.backend = get_backend(config.attention_backend, self.device)
+        self.backend = get_backend(config.attention_backend, self.device, config.batch_invariant)
         self._prepare(self.cache)
-        # fp32 GEMMs for a 16-bit model on a CPU without 16-bit matrix units (qkv.cpu_linear)
-        self.matmul_fp32 = resolve_cpu_matmul(config.cpu_matmul_dtype, self.dtype, self.device)
-        modes = linear_modes(self.model, self.matmul_fp32, config.batch_invariant)
+        # how a 16-bit model's linears multiply on a CPU: fp32 upcasts or packed 16-bit GEMMs (qkv.cpu_linear)
+        self.cpu_matmul = resolve_cpu_matmul(config.cpu_matmul_dtype, self.dtype, self.device)
+        self.matmul_fp32 = self.cpu_matmul == "float32"
+        modes = linear_modes(self.model, self.cpu_matmul, config.batch_invariant)
         self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, modes)
         self.stats = EngineStats()
         self.eos_token_ids = self._eos_ids()

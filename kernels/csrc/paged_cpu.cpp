@@ -57,6 +57,14 @@ struct WriteArgs {
   int32_t in_dtype, num_threads;
 };
 
+struct GatherArgs {
+  CacheDesc cache;
+  const int32_t* block_table;  // the sequence's
+  int64_t start, end;          // positions [start, end)
+  void* out;                   // [2, num_kv_heads, end - start, head_dim], contiguous, out_dtype
+  int32_t out_dtype, num_threads;
+};
+
 struct AttnArgs {
   CacheDesc cache;
   const void* query;
@@ -276,25 +284,55 @@ static void fwht(float* x, int n, float norm) {
 }
 
 // ------------------------------------------------------------------ cache write --
+// Eight lanes at a time, each lane exactly the scalar f32_to_e4m3 / f32_to_e5m2 / int8 rule above (selects,
+// no branches, so the loop vectorizes): NaN stays NaN (0x7f|sign, 0x7f), ties round to even, subnormals by
+// an fp32 add.
+static inline u32x8 as_u32(f32x8 f) { u32x8 b; std::memcpy(&b, &f, 32); return b; }
+
+static inline void store_bytes(uint8_t* dst, u32x8 r) {
+  for (int k = 0; k < 8; ++k) dst[k] = (uint8_t)r[k];
+}
+
+static inline u32x8 encode8_fp8(f32x8 y, int32_t dtype) {
+  const bool e4 = dtype == E4M3;
+  u32x8 b = as_u32(y);
+  const u32x8 sign = b & 0x80000000u;
+  b ^= sign;
+  const uint32_t m_shift = e4 ? 20 : 21, bias = e4 ? 7 : 15, round = e4 ? 0x7ffffu : 0xfffffu;
+  const uint32_t denorm = e4 ? (141u << 23) : (134u << 23), sub_below = e4 ? (121u << 23) : (113u << 23);
+  const u32x8 odd = (b >> m_shift) & 1u;
+  const u32x8 normal = (b + (((bias - 127u) << 23) + round) + odd) >> m_shift;
+  const u32x8 sub = as_u32(as_f32(b) + splat(bits_f32(denorm))) - denorm;
+  u32x8 r = (u32x8)(b < sub_below) ? sub : normal;
+  if (e4) {
+    r = (u32x8)(b >= (1087u << 20)) ? (u32x8){} + 0x7fu : r;  // 480 and above: only NaN after saturation
+  } else {
+    r = (u32x8)(b >= (143u << 23)) ? ((u32x8)(b > (255u << 23)) ? (u32x8){} + 0x7fu : (u32x8){} + 0x7cu) : r;
+  }
+  return (r & 0xffu) | (sign >> 24);
+}
+
 static void quantize_row(const float* x, const float* scale, int D, bool per_channel, float qmax,
                          int32_t dtype, void* dst, int64_t off) {
-  for (int d = 0; d < D; ++d) {
-    float s = per_channel ? scale[d] : scale[0];
-    float y = x[d];
-    switch (dtype) {
-      case F32: case BF16: case F16: store_f32(dst, off + d, y, dtype); break;
-      case I8: {
-        y = y / s;
-        int8_t q = 0;  // NaN -> 0, as torch on CPU
-        if (!std::isnan(y)) q = (int8_t)std::nearbyint(std::min(std::max(y, -qmax), qmax));
-        static_cast<int8_t*>(dst)[off + d] = q;
-        break;
-      }
-      default: {
-        y = y / s;
-        if (!std::isnan(y)) y = std::min(std::max(y, -qmax), qmax);  // saturate (__NV_SATFINITE)
-        static_cast<uint8_t*>(dst)[off + d] = dtype == E4M3 ? f32_to_e4m3(y) : f32_to_e5m2(y);
-      }
+  if (dtype == F32 || dtype == BF16 || dtype == F16) {
+    for (int d = 0; d < D; ++d) store_f32(dst, off + d, x[d], dtype);
+    return;
+  }
+  const f32x8 hi = splat(qmax), lo = splat(-qmax);
+  for (int d = 0; d < D; d += 8) {  // D % 8 == 0 (checked by the launcher)
+    const f32x8 s = per_channel ? loadv(scale + d) : splat(scale[0]);
+    f32x8 y = loadv(x + d) / s;  // IEEE division in every lane, as torch's x / scale
+    y = y > hi ? hi : y;         // saturate (__NV_SATFINITE); a NaN lane compares false and stays NaN
+    y = y < lo ? lo : y;
+    uint8_t* out = static_cast<uint8_t*>(dst) + off + d;
+    if (dtype == I8) {
+      const f32x8 magic = splat(0x1.8p23f);  // |y| <= 127: adding 1.5 * 2^23 rounds to an integer, half to even
+      const f32x8 r = (y + magic) - magic;
+      i32x8 q = __builtin_convertvector(r, i32x8);
+      q = (i32x8)(y == y) ? q : (i32x8){};  // NaN -> 0, as torch on CPU
+      store_bytes(out, (u32x8)q);
+    } else {
+      store_bytes(out, encode8_fp8(y, dtype));
     }
   }
 }
@@ -578,6 +616,36 @@ extern "C" int qkv_paged_attention(const AttnArgs* a) {
       const int64_t* it = &items[5 * i];
       attend_item(*a, (int)it[0], it[1], it[2], (int)it[3], (int)it[4], work);
     }
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------ gather --
+// Positions [start, end) of one sequence, dequantized into contiguous K and V ([2, Hkv, L, D]): the input
+// of a dense attention (torch's SDPA, for long prefill chunks, where a tiled GEMM beats this file's
+// row-by-row loop). Each value is what attention reads from the cache (its scale applied, per channel too),
+// rounded once to the output dtype; only slots in [start, end) are read, so stale bytes never are.
+extern "C" int qkv_gather_kv(const GatherArgs* a) {
+  const CacheDesc& c = a->cache;
+  const int D = c.head_dim, H = c.num_kv_heads, BS = c.block_size;
+  if (D % 8 || D > 512 || a->end < a->start) return 1;
+  const int64_t L = a->end - a->start, b0 = a->start / BS, b1 = (a->end + BS - 1) / BS;
+  const int64_t units = 2 * (b1 - b0);
+#pragma omp parallel for schedule(static) num_threads(a->num_threads) if (L * H * D > (1 << 16))
+  for (int64_t u = 0; u < units; ++u) {
+    const int kv = (int)(u % 2);
+    const int64_t b = b0 + u / 2, block = a->block_table[b];
+    const int64_t j0 = std::max(a->start, b * BS), j1 = std::min(a->end, (b + 1) * BS);
+    const float* chan = c.scale_mode == SCALE_CHANNEL ? (kv == 0 ? c.k_scale : c.v_scale) : nullptr;
+    float row[512];
+    for (int64_t j = j0; j < j1; ++j)
+      for (int h = 0; h < H; ++h) {
+        load_cached_row(c, block, kv, j - b * BS, h, row);
+        if (chan)
+          for (int d = 0; d < D; ++d) row[d] *= chan[(int64_t)h * D + d];
+        const int64_t o = (((int64_t)kv * H + h) * L + (j - a->start)) * D;
+        for (int d = 0; d < D; ++d) store_f32(a->out, o + d, row[d], a->out_dtype);
+      }
   }
   return 0;
 }

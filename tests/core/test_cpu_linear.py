@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from qkv import LLM, SamplingParams
 from qkv.batch_invariant import BatchInvariantLinear
 from qkv.config import EngineConfig
-from qkv.cpu_linear import MIN_ROWS, Fp32Linear, linear_modes, onednn_available, resolve_cpu_matmul
+from qkv.cpu_linear import (
+    MIN_ROWS,
+    Fp32Linear,
+    PackedLinear,
+    linear_modes,
+    onednn_available,
+    resolve_cpu_matmul,
+)
 
 CPU = torch.device("cpu")
 
@@ -96,26 +103,57 @@ def test_engines_sharing_a_model_share_one_set_of_fp32_copies(tiny_dir):
 
 
 def test_resolve_cpu_matmul_explicit_settings():
-    assert resolve_cpu_matmul("float32", torch.bfloat16, CPU) is True
-    assert resolve_cpu_matmul("float32", torch.float16, CPU) is True
-    assert resolve_cpu_matmul("model", torch.bfloat16, CPU) is False
-    assert resolve_cpu_matmul("float32", torch.float32, CPU) is False  # nothing to upcast
-    assert resolve_cpu_matmul("float32", torch.bfloat16, torch.device("cuda")) is False  # GPUs have bf16 units
+    assert resolve_cpu_matmul("float32", torch.bfloat16, CPU) == "float32"
+    assert resolve_cpu_matmul("float32", torch.float16, CPU) == "float32"
+    assert resolve_cpu_matmul("model", torch.bfloat16, CPU) == "model"
+    assert resolve_cpu_matmul("float32", torch.float32, CPU) == "model"  # nothing to upcast
+    assert resolve_cpu_matmul("float32", torch.bfloat16, torch.device("cuda")) == "model"  # GPUs have bf16 units
     with pytest.raises(ValueError, match="cpu_matmul_dtype must be one of auto, model, float32"):
         resolve_cpu_matmul("fp64", torch.bfloat16, CPU)
     with pytest.raises(ValueError, match="cpu_matmul_dtype must be one of auto, model, float32; got 'fp16'"):
         EngineConfig(model="smollm2-135m", cpu_matmul_dtype="fp16")
 
 
+def test_resolve_cpu_matmul_auto_follows_the_cpu(monkeypatch):
+    """auto: fp32 upcasts without 16-bit matrix units, packed 16-bit GEMMs with them (where oneDNN is built in)."""
+    import qkv.cpu_linear as cl
+
+    monkeypatch.setattr(cl, "native_16bit_matmul", lambda dtype: False)
+    assert resolve_cpu_matmul("auto", torch.bfloat16, CPU) == "float32"
+    monkeypatch.setattr(cl, "native_16bit_matmul", lambda dtype: True)
+    assert resolve_cpu_matmul("auto", torch.bfloat16, CPU) == ("packed" if onednn_available() else "model")
+    assert resolve_cpu_matmul("auto", torch.float32, CPU) == "model"
+
+
 def test_batch_invariant_mode_sits_on_top_and_fp32_takes_every_call():
     lin = _linear(False)
-    modes = linear_modes(lin, fp32=True, batch_invariant=True)
+    modes = linear_modes(lin, "float32", batch_invariant=True)
     assert len(modes) == 2
     fp32 = modes[0]()
     assert isinstance(fp32, Fp32Linear) and fp32.min_rows == 1 and fp32.onednn is False
     assert modes[0]() is fp32  # built once, entered every forward
-    assert linear_modes(lin, fp32=False, batch_invariant=False) == []
-    assert linear_modes(lin, fp32=True, batch_invariant=False)[0]().min_rows == MIN_ROWS
+    assert linear_modes(lin, "model", batch_invariant=False) == []
+    assert linear_modes(lin, "float32", batch_invariant=False)[0]().min_rows == MIN_ROWS
+    # the packed mode is a speed path: under the fixed-shape tiles, plain F.linear in the model's dtype
+    assert [type(m()).__name__ for m in linear_modes(lin, "packed", batch_invariant=True)] == ["BatchInvariantLinear"]
+    assert isinstance(linear_modes(lin, "packed", batch_invariant=False)[0](), PackedLinear)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 50])
+def test_packed_linear_is_onednns_inner_product_in_the_models_dtype(rows):
+    lin = _linear(True)
+    x = torch.randn(2, rows, 96).to(torch.bfloat16)
+    with PackedLinear(lin):
+        y = lin(x)
+    w = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 16)
+    want = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, 96), w, lin.bias.detach(), "none", [], "")
+    assert y.dtype == torch.bfloat16 and y.shape == (2, rows, 160)
+    assert torch.equal(y.reshape(-1, 160), want)
+    # the same product as F.linear's, to bf16 rounding
+    torch.testing.assert_close(
+        y.float(), F.linear(x.float(), lin.weight.float(), lin.bias.float()), rtol=2e-2, atol=2e-2
+    )
+    assert "forward" not in lin.__dict__  # restored on exit
 
 
 def test_tiny_bf16_model_with_fp32_matmul_is_batch_invariant(tiny_dir):

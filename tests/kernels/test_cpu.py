@@ -167,6 +167,61 @@ def test_attention_matches_reference(kernels, name, window, rotate, channel):
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol)
 
 
+@pytest.fixture(scope="module")
+def dense() -> CpuKernels:
+    return CpuKernels.build(default_cache_dir() / "kernels", dense_prefill=True)
+
+
+@pytest.mark.parametrize("name, window, rotate, channel", CASES)
+def test_dense_prefill_rows_equal_the_reference_bit_for_bit(kernels, dense, name, window, rotate, channel):
+    """dense_prefill: chunks of >= DENSE_PREFILL_ROWS queries get their K/V dequantized by qkv_gather_kv, which
+    equals the reference's dequantization exactly, then the reference's own SDPA call: the same bits. The
+    other rows of the step (a decode, short chunks, a sequence without queries) stay on the fused kernel."""
+    heads, group, dim = 2, 3, 32
+    q_lens, seq_lens = [1, 5, 40, 1, 33, 0], [50, 5, 60, 17, 70, 9]
+    sc = paged_scenario(
+        name,
+        seq_lens,
+        q_lens,
+        hq=heads * group,
+        hkv=heads,
+        d=dim,
+        granularity="channel" if channel else "head",
+        rotate=rotate,
+        window=window,
+        block_size=BS,
+    )
+    long_rows = torch.cat([torch.arange(6, 46), torch.arange(47, 80)])  # sequences 2 and 4
+    short_rows = torch.tensor([0, 1, 2, 3, 4, 5, 46])
+    for qdt in (torch.float32, torch.bfloat16):
+        q = sc.query.to(qdt)
+        want = ref.attend(sc.layer, q, sc.meta, sc.sm_scale)
+        got = dense.attend(sc.layer, q, sc.meta, sc.sm_scale)
+        fused = kernels.attend(sc.layer, q, sc.meta, sc.sm_scale)
+        assert got.dtype == qdt and bool(torch.isfinite(got).all())
+        assert torch.equal(bits(got[long_rows]), bits(want[long_rows]))
+        assert torch.equal(bits(got[short_rows]), bits(fused[short_rows]))
+
+
+@pytest.mark.parametrize("name, channel", sorted({(name, channel) for name, _, _, channel in CASES}))
+def test_gather_equals_the_reference_dequantization(dense, name, channel):
+    sc = paged_scenario(
+        name, [45, 70], [45, 3], hq=4, hkv=2, d=64, block_size=BS, granularity="channel" if channel else "head"
+    )
+    for out_dtype in (torch.float32, torch.bfloat16):
+        for s, (n, start) in enumerate([(45, 0), (70, 19)]):
+            k, v = ref_gather(sc, s, n, start, out_dtype)
+            kv = dense.gather(sc.layer, sc.meta.block_tables[s], start, n, out_dtype)
+            assert torch.equal(bits(kv[0]), bits(k)) and torch.equal(bits(kv[1]), bits(v))
+
+
+def ref_gather(sc, s, n, start, out_dtype):
+    from qkv.kernels.reference import gather_kv
+
+    k, v = gather_kv(sc.layer, sc.meta.block_tables[s], n, out_dtype, start=start)
+    return k.transpose(0, 1), v.transpose(0, 1)
+
+
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_gqa_groups(kernels, group):
     sc = paged_scenario("int8_per_token_head", [37, 90], [3, 1], hq=2 * group, hkv=2, d=64, block_size=BS)
