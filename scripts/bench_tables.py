@@ -2,6 +2,7 @@
 
     python scripts/bench_tables.py [eval/results/bench]          # every benchmark table (scripts/bench_cpu.sh)
     python scripts/bench_tables.py --accuracy REPORT.json        # the accuracy table of one `qkv eval` report
+    python scripts/bench_tables.py --vllm COMPARE.json           # qkv beside vLLM (scripts/bench_vllm.py)
 
 Every ratio printed here was measured side by side in one run of one mode; the tables only reformat them.
 """
@@ -107,7 +108,38 @@ def accuracy(rep: dict) -> list[str]:
     return rows
 
 
+def vllm(rep: dict) -> list[str]:
+    """qkv beside vLLM's CPU build: each workload's metric, medians of the interleaved repeats, and the ratios."""
+    env = rep["env"]
+    rows = [
+        f"{env['cpu']['name']} ({', '.join(env['cpu']['flags'])}), {env['torch_threads']} threads, medians of "
+        f"{rep['repeats']} interleaved repeats; load average before the run {env['load_average_before'][0]:.2f}:",
+        "",
+        "| workload | metric | qkv bf16 | qkv fp8 | qkv int8 | qkv int8_per_token_head | vLLM bf16 | vLLM fp8 "
+        "| qkv / vLLM, bf16 | qkv / vLLM, fp8 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    names = {"budget": "output tok/s", "decode16": "seconds", "prefill": "seconds", "itl": "ms per token"}
+    keys = {"budget": "output_tokens_per_s", "decode16": "seconds", "prefill": "seconds", "itl": "itl_ms"}
+    for w, res in rep["results"].items():
+        spec = rep["workloads"][w]
+        label = f"{w}: {spec['requests']} x ({spec['prompt_len']} + {spec['output_len']}), {spec['kv_mib']} MiB"
+        cells = [
+            f"{res[c][keys[w]]:.4g}" if c in res else "-"
+            for c in ("qkv bf16", "qkv fp8", "qkv int8", "qkv int8_per_token_head", "vllm bf16", "vllm fp8")
+        ]
+        ratio = [
+            f"{res[c].get(k, float('nan')):.2f}x" if c in res else "-"
+            for c, k in (("qkv bf16", "speed_vs_vllm_bf16"), ("qkv fp8", "speed_vs_vllm_fp8"))
+        ]
+        rows.append(f"| {label} | {names[w]} | " + " | ".join(cells + ratio) + " |")
+    return rows
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--vllm"]:
+        print("\n".join(vllm(json.loads(Path(argv[1]).read_text()))))
+        return 0
     if argv[:1] == ["--accuracy"]:
         print("\n".join(accuracy(json.loads(Path(argv[1]).read_text()))))
         return 0
