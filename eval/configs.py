@@ -15,6 +15,9 @@ Grammar of one configuration (configurations are separated by commas)::
 * ``ROTATION`` is ``hadamard`` or ``none`` (qkv's ``--kv-rotation``); without it the
   engine follows the scales (``auto``), so a rotated checkpoint needs no modifier.
 
+``NAME=URL`` is an OpenAI-compatible completions server instead (``vllm serve``, ``qkv serve``; URL is its
+``/v1`` base, e.g. ``vllm-fp8=http://127.0.0.1:8001/v1``), scored through the API (eval/server.py).
+
 The first configuration is the baseline. Labels are the configuration strings
 with the scales directory shortened to its last path component, so they stay
 readable in tables and figures while ``spec`` keeps the full string.
@@ -28,7 +31,7 @@ from pathlib import Path
 
 from qkv.kernels.quant import CACHE_DTYPE_NAMES, resolve_cache_dtype
 
-__all__ = ["EvalConfig", "parse_config", "parse_configs", "ConfigError"]
+__all__ = ["EvalConfig", "ServerConfig", "parse_config", "parse_configs", "ConfigError"]
 
 _MODIFIER = re.compile(r"\+(skip|rot)=([^+]*)")
 
@@ -88,6 +91,30 @@ class EvalConfig:
         }
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """A completions server to score through (``NAME=URL``); it knows nothing of qkv's cache."""
+
+    spec: str
+    label: str
+    url: str
+    quantized = False  # not known here: the server's own flags say
+
+    def to_json(self) -> dict:
+        return {"spec": self.spec, "label": self.label, "server": self.url}
+
+
+def _server(spec: str) -> ServerConfig | None:
+    name, sep, url = spec.partition("=")
+    if not sep or "://" not in url:
+        return None
+    if not re.fullmatch(r"[\w.@-]+", name.strip()):
+        raise ConfigError(f"server configuration {spec!r}: NAME (before '=') must be letters, digits or . _ @ -")
+    if not re.match(r"https?://[^/\s]+", url.strip()):
+        raise ConfigError(f"server configuration {spec!r}: URL must be http(s)://HOST[:PORT]/v1")
+    return ServerConfig(spec.strip(), name.strip(), url.strip())
+
+
 def _dtype(name: str, spec: str) -> str:
     if name == "auto":
         return "auto"  # the model dtype
@@ -120,11 +147,14 @@ def _layers(text: str, spec: str) -> tuple:
     return tuple(dict.fromkeys(out))
 
 
-def parse_config(spec: str) -> EvalConfig:
-    """``"fp8:calib/fp8-head+skip=sliding_window"`` -> :class:`EvalConfig`."""
+def parse_config(spec: str) -> EvalConfig | ServerConfig:
+    """``"fp8:calib/fp8-head+skip=sliding_window"`` -> :class:`EvalConfig`; ``"NAME=URL"`` -> :class:`ServerConfig`."""
     text = spec.strip()
     if not text:
         raise ConfigError("empty configuration in --configs")
+    server = _server(text)
+    if server is not None:
+        return server
     skip: tuple | None = None
     rotation = "auto"
     head, _, mods = text.partition("+")
@@ -153,7 +183,7 @@ def parse_config(spec: str) -> EvalConfig:
     return EvalConfig(spec.strip(), dtype, scales_dir, skip, rotation)
 
 
-def parse_configs(text: str | list[str]) -> list[EvalConfig]:
+def parse_configs(text: str | list[str]) -> list[EvalConfig | ServerConfig]:
     """Comma-separated configurations; the first is the baseline. Labels must be unique."""
     specs = text.split(",") if isinstance(text, str) else list(text)
     configs = [parse_config(s) for s in specs]

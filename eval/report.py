@@ -91,6 +91,8 @@ def tables(r: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             rows,
         )
     )
+    if base not in r["memory"]:  # the baseline is a server: no cache of its own to report
+        return out  # (and servers are not timed)
     rows = []
     for label, m in r["memory"].items():
         b = r["memory"][base]

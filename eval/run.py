@@ -27,8 +27,8 @@ from qkv.model_loader import load_tokenizer
 from qkv.options import option
 from qkv.registry import resolve_model
 
-from . import accuracy, data, gate, latency, report, scales_table
-from .configs import EvalConfig, parse_configs
+from . import accuracy, data, gate, latency, report, scales_table, server
+from .configs import EvalConfig, ServerConfig, parse_configs
 
 __all__ = ["EvalArgs", "run_eval", "model_identity", "environment"]
 
@@ -78,6 +78,7 @@ class EvalArgs:
     seed: int = option(0, "seed of the bootstrap and of the timing prompts")
     device: str | None = option(None, cli=False)
     cpu_matmul_dtype: str = option("auto", cli=False)
+    server_api_key: str | None = option(None, "API key of the NAME=URL configurations' servers (default: none)")
     command: str | None = option(None, cli=False)  # the command line that reproduces the run (report)
 
 
@@ -123,9 +124,11 @@ def environment(seed: int) -> dict:
     return env
 
 
-def _check_lengths(engines: dict, args: EvalArgs) -> None:
+def _check_lengths(engines: dict, args: EvalArgs, timed: bool = True) -> None:
+    if not engines:  # servers only: they refuse what they cannot hold
+        return
     mml = min(e.max_model_len for e in engines.values())
-    too_long = [L for L in args.ttft_lengths if mml < L]
+    too_long = [L for L in args.ttft_lengths if mml < L] if timed else []
     if too_long:
         raise ValueError(
             f"--ttft-lengths {too_long[0]} is longer than max_model_len={mml}; "
@@ -139,10 +142,12 @@ def _check_lengths(engines: dict, args: EvalArgs) -> None:
         )
 
 
-def _build_engines(configs: list[EvalConfig], args: EvalArgs) -> dict:
+def _build_engines(configs: list[EvalConfig | ServerConfig], args: EvalArgs) -> dict:
     engines = {}
     shared = None  # one copy of the weights for every configuration
     for c in configs:
+        if isinstance(c, ServerConfig):
+            continue
         logger.info("loading %s", c.label)
         llm = LLM(
             args.model,
@@ -199,14 +204,20 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
     old = gate.load_compare(args.compare, model) if args.compare else None
     text = data.load_text(args.dataset)
     windows = data.make_windows(load_tokenizer(model_path), text.text, args.num_windows, args.window)
+    servers = [c for c in configs if isinstance(c, ServerConfig)]
+    # servers are asked first: an unreachable one fails before any model loads
+    scorers = {c.label: server.ServerScorer(c.url, args.server_api_key) for c in servers}
     engines = _build_engines(configs, args)
-    _check_lengths(engines, args)
+    _check_lengths(engines, args, timed=not servers)
     base = configs[0].label
-
-    tokens = accuracy.score_windows(engines, windows, base, args.chunk_size)
+    if servers:  # every configuration in the servers' view: top-20 logprobs through the completions API
+        scorers.update({k: server.EngineScorer(e, args.chunk_size) for k, e in engines.items()})
+        tokens = server.score_windows_topk({c.label: scorers[c.label] for c in configs}, windows, base)
+    else:
+        tokens = accuracy.score_windows(engines, windows, base, args.chunk_size)
     acc = accuracy.summarize(tokens, base, args.bootstrap, args.seed)
     lat = None
-    if args.ttft_lengths and args.repeats:
+    if args.ttft_lengths and args.repeats and not servers:
         lat = latency.measure_latency(
             engines,
             base,
@@ -217,13 +228,13 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
             args.decode_tokens,
             args.seed,
         )
-    mem = {c.label: latency.memory_metrics(engines[c.label], args.kv_budget, args.memory_len) for c in configs}
+    mem = {k: latency.memory_metrics(e, args.kv_budget, args.memory_len) for k, e in engines.items()}
     scales = {}
     for c in configs:
-        got = scales_table.layer_ranges(engines[c.label], c.scales)
+        got = None if isinstance(c, ServerConfig) else scales_table.layer_ranges(engines[c.label], c.scales)
         if got is not None:
             scales[c.label] = got
-    first = engines[base]
+    first = engines.get(base) or next(iter(engines.values()), None)
     r = {
         "kind": gate.REPORT_KIND,
         "report_version": gate.REPORT_VERSION,
@@ -231,13 +242,21 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
         "command": args.command or f"python: qkv.eval.run.run_eval({args!r})",
         "model": {
             **model,
-            "dtype": str(first.dtype).replace("torch.", ""),
-            "num_layers": len(first.layer_specs),
-            "max_model_len": first.max_model_len,
+            **(
+                {}
+                if first is None
+                else {
+                    "dtype": str(first.dtype).replace("torch.", ""),
+                    "num_layers": len(first.layer_specs),
+                    "max_model_len": first.max_model_len,
+                }
+            ),
         },
         "baseline": base,
         "configs": [
-            {
+            c.to_json()
+            if isinstance(c, ServerConfig)
+            else {
                 **c.to_json(),
                 "cache": engines[c.label].cache.dtype_summary(),
                 "unquantized_layers": _unquantized(engines[c.label]) if c.quantized else [],
@@ -261,7 +280,13 @@ def _run(args: EvalArgs) -> tuple[dict, int]:
             "decode_prompt_len": args.decode_prompt_len,
             "decode_tokens": args.decode_tokens,
             "kv_cache_memory": args.kv_cache_memory,
-            "cpu_matmul": first.cpu_matmul,
+            "cpu_matmul": None if first is None else first.cpu_matmul,
+            "kl": (
+                f"top-{server.TOP_K} KL over the baseline's top tokens, renormalized (eval/server.py)"
+                if servers
+                else "full-vocabulary KL"
+            ),
+            "servers": {c.label: c.url for c in servers},
         },
         "gate": {"max_ppl_delta": max_ppl, "max_kl": max_kl},
         "verdicts": gate.verdicts(acc, base, max_ppl, max_kl),

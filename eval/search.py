@@ -34,7 +34,7 @@ from qkv.kernels.quant import DYNAMIC_CACHE_DTYPES, ROTATIONS, resolve_cache_dty
 from qkv.metrics import parse_threshold
 from qkv.options import option
 
-from .configs import parse_config
+from .configs import EvalConfig, parse_config
 from .data import wikitext_valid_file
 from .run import EvalArgs, run_eval
 
@@ -180,6 +180,7 @@ def recommend(report: dict, budget: float) -> dict:
 
 def _flags(spec: str) -> str:
     c = parse_config(spec)
+    assert isinstance(c, EvalConfig)  # the grid holds qkv configurations only
     out = f"--kv-cache-dtype {c.kv_cache_dtype}"
     if c.scales:
         out += f" --kv-scales {c.scales}"

@@ -48,6 +48,7 @@ class Batch:
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     echoes: list[Echo] | None = None  # completions with echo: one per prompt
     echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
+    token_ids: bool = False  # logprobs name tokens "token_id:N" (return_tokens_as_token_ids)
     prompt_of: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,7 +74,7 @@ class Batch:
                 lp = (
                     None
                     if self.logprobs is None
-                    else CompletionLogprobs()(ids, positions, echo.first_token if echo else "")
+                    else CompletionLogprobs(self.token_ids)(ids, positions, echo.first_token if echo else "")
                 )
                 choices.append(
                     {

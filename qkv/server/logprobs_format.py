@@ -48,8 +48,9 @@ class CompletionLogprobs:
     continue the count, so one object is kept per choice.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, token_ids: bool = False) -> None:
         self.offset = 0
+        self.token_ids = token_ids  # vLLM's return_tokens_as_token_ids: "token_id:N" for the token's text
 
     def __call__(
         self, token_ids: list[int], positions: list[PositionLogprobs | None], first_token_text: str = ""
@@ -57,9 +58,13 @@ class CompletionLogprobs:
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token, pos in zip(token_ids, positions):
             if pos is None:
-                text = first_token_text
+                text = f"token_id:{token}" if self.token_ids else first_token_text
                 token_logprobs.append(None)
                 top.append(None)
+            elif self.token_ids:
+                text = f"token_id:{token}"
+                token_logprobs.append(json_logprob(pos[token].logprob))
+                top.append({f"token_id:{t}": json_logprob(lp.logprob) for t, lp in pos.items()})
             else:
                 text = pos[token].decoded_token
                 token_logprobs.append(json_logprob(pos[token].logprob))

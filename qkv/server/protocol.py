@@ -158,6 +158,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     logprobs: _TOP | bool | None = None  # OpenAI: an integer; false is taken as none, true is refused
+    # vLLM's extension: logprobs name tokens "token_id:N" instead of their text, so that two tokens that
+    # decode alike stay apart (qkv eval --server scores this way)
+    return_tokens_as_token_ids: bool = False
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, token ids, or a list of either (choice index = prompt * n + sample)."""

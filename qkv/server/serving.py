@@ -61,7 +61,7 @@ class OpenAIServing:
             prompts = [e.resolver(p) for e, p in zip(echoes, prompts)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        batch = Batch(ids, params.n, params.logprobs, echoes, req.echo_only)
+        batch = Batch(ids, params.n, params.logprobs, echoes, req.echo_only, req.return_tokens_as_token_ids)
         return await self._serve(request, req, rid, batch, model, prompts, params, "prompt", chat=False)
 
     async def chat(self, request: Request, data: object) -> Response:

@@ -58,9 +58,9 @@ def dead(e: EngineDeadError) -> APIError:
 
 
 class _Choice:
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], token_ids: bool = False) -> None:
         self.deltas = TextDeltas(stop)
-        self.logprobs = CompletionLogprobs()
+        self.logprobs = CompletionLogprobs(token_ids)
         self.num_tokens = 0  # tokens whose logprobs were sent
         self.started = False
         self.done = False
@@ -80,7 +80,7 @@ async def _choices(outputs: AsyncIterator[RequestOutput], batch: Batch, stop: li
         finals[out.request_id] = out
         for comp in out.outputs:
             index = batch.index(out, comp.index)
-            state = states.setdefault(index, _Choice(stop))
+            state = states.setdefault(index, _Choice(stop, batch.token_ids))
             if not state.done:
                 yield out, comp, index, state
                 state.started, state.done = True, comp.finish_reason is not None
