@@ -30,7 +30,7 @@ from qkv.scales import read_kv_scales
 from .autoskip import FIGURE_FILE, plot_sensitivity, select_skip_layers
 from .checkpoint import vllm_note, vllm_readable, write_checkpoint
 from .data import Samples, build_samples, load_rows
-from .export import export_vllm
+from .export import export_folded, export_vllm
 from .report import summary_table
 from .run import CalibrationSpec, calibrate, load_engine
 
@@ -195,15 +195,29 @@ def register(subparsers) -> argparse.ArgumentParser:
 class ExportOptions(Checked):
     """``qkv export-vllm``'s flags."""
 
-    src: str = option(help="a `qkv calibrate` output directory")
+    src: str = option(help="a `qkv calibrate` output directory; with --fold, the model itself")
     output: str = option("", "output model directory", short="-o", required=True, check=_nonempty)
     overwrite: bool = option(False, "replace an earlier export in -o")
     weights: str = option("link", "how weights reach OUT: hard link, copy, or symlink", choices=WEIGHTS)
+    fold: bool = option(
+        False,
+        "fold K smoothing (pairs of RoPE channels) and the V Hadamard rotation into the weights, then calibrate "
+        "per-tensor fp8 scales on the folded model: a plain checkpoint that stock vLLM serves (calibrate/fold.py)",
+    )
+    dataset: str | None = option(None, "--fold: calibration text (as qkv calibrate's --dataset)")
+    num_samples: int = option(64, "--fold: calibration samples", ge=1)
+    seq_len: int = option(512, "--fold: tokens per sample", ge=1)
+    alpha: float = option(0.5, "--fold: K smoothing exponent, s = max|K|^alpha", ge=0)
 
 
 def run_export(args: argparse.Namespace) -> int:
     opts = ExportOptions(**config_kwargs(ExportOptions, args))
-    out, notes = export_vllm(opts.src, opts.output, weights=opts.weights, overwrite=opts.overwrite)
+    if opts.fold:
+        out, notes = export_folded(
+            opts.src, opts.output, opts.dataset, opts.num_samples, opts.seq_len, opts.alpha, opts.overwrite
+        )
+    else:
+        out, notes = export_vllm(opts.src, opts.output, weights=opts.weights, overwrite=opts.overwrite)
     for n in notes:
         print(f"note: {n}")
     written = read_kv_scales(out)

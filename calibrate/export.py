@@ -17,17 +17,21 @@ Auto-skip's layers stay recorded, and the command prints the
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import torch
 
 from qkv.model_loader import load_config, text_config
+from qkv.registry import resolve_model
 from qkv.scales import read_kv_scales
 
 from .checkpoint import write_checkpoint
-from .run import Calibration, LayerResult, resolve_target
+from .data import load_rows
+from .fold import fold_weights
+from .run import Calibration, LayerResult, calibrate, resolve_target
 
-__all__ = ["export_vllm"]
+__all__ = ["export_folded", "export_vllm"]
 
 
 def _num_kv_heads(src: Path) -> int:
@@ -93,3 +97,52 @@ def export_vllm(
             + " ".join(map(str, scales.skip_layers))
         )
     return path, notes
+
+
+def export_folded(
+    src: str,
+    out: str | Path,
+    dataset: str | None,
+    num_samples: int,
+    seq_len: int,
+    alpha: float = 0.5,
+    overwrite: bool = False,
+) -> tuple[Path, list[str]]:
+    """``--fold``: K smoothing and V rotation folded into ``src``'s weights (:mod:`.fold`), then per-tensor fp8
+    scales calibrated on the folded model, written as a plain compressed-tensors checkpoint."""
+    if dataset is None:
+        raise ValueError("--fold needs --dataset: the smoothing and the scales come from calibration text")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"-o {out} exists and is not empty; pass --overwrite or choose a new directory")
+    model_dir = Path(resolve_model(src))
+    raw = load_rows(dataset)
+    stats = calibrate(
+        str(model_dir),
+        raw=raw,
+        kv_cache_dtype="fp8",
+        strategy="channel",
+        num_samples=num_samples,
+        seq_len=seq_len,
+        progress=False,
+    )
+    k_amax = {r.layer: r.k_observed_amax for r in stats.layers}
+    with tempfile.TemporaryDirectory(prefix="qkv-fold-", dir=out.parent if out.parent.exists() else None) as tmp:
+        folded = Path(tmp) / "folded"
+        record = fold_weights(model_dir, folded, k_amax, alpha)
+        cal = calibrate(
+            str(folded),
+            raw=raw,
+            kv_cache_dtype="fp8",
+            strategy="tensor",
+            num_samples=num_samples,
+            seq_len=seq_len,
+            progress=False,
+        )
+        cal.model, cal.fold = src, record
+        write_checkpoint(cal, out, weights="copy", overwrite=overwrite)
+    notes = [
+        f"folded K smoothing (alpha {alpha}) and the V Hadamard rotation into the weights of {record['layers']} "
+        f"layers; per-tensor fp8 scales calibrated on the folded model ({num_samples} x {seq_len} tokens)"
+    ]
+    return out, notes

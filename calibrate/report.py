@@ -48,6 +48,7 @@ def calibration_record(cal: Calibration, output: dict | None = None) -> dict:
         "rotation": cal.rotation or "none",
         "skip_layers": list(cal.skip_layers or []),
         "auto_skip": cal.sensitivity,
+        "fold": cal.fold,
         "scale_convention": f"q = x / scale; scale = amax / {dt.qmax:g}",
         "observed": "K after RoPE (and k_norm), V as projected: the tensors the paged cache stores",
         "versions": versions(),

@@ -92,6 +92,7 @@ class Calibration:
     rotation: str | None = None  # "hadamard": scales of rotated K/V (qkv extension)
     skip_layers: list[int] | None = None  # auto-skip's choice of BF16 layers
     sensitivity: dict | None = None  # auto-skip's per-layer measurements
+    fold: dict | None = None  # export-vllm --fold: what was folded into the weights before these scales
     date: str = field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     )
