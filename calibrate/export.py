@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,29 +117,15 @@ def export_folded(
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"-o {out} exists and is not empty; pass --overwrite or choose a new directory")
     model_dir = Path(resolve_model(src))
+    # the same samples twice: per-channel K statistics for the smoothing, then the folded model's scales
     raw = load_rows(dataset)
-    stats = calibrate(
-        str(model_dir),
-        raw=raw,
-        kv_cache_dtype="fp8",
-        strategy="channel",
-        num_samples=num_samples,
-        seq_len=seq_len,
-        progress=False,
-    )
+    data: dict[str, Any] = dict(kv_cache_dtype="fp8", num_samples=num_samples, seq_len=seq_len)
+    stats = calibrate(str(model_dir), raw=raw, progress=False, strategy="channel", **data)
     k_amax = {r.layer: r.k_observed_amax for r in stats.layers}
     with tempfile.TemporaryDirectory(prefix="qkv-fold-", dir=out.parent if out.parent.exists() else None) as tmp:
         folded = Path(tmp) / "folded"
         record = fold_weights(model_dir, folded, k_amax, alpha)
-        cal = calibrate(
-            str(folded),
-            raw=raw,
-            kv_cache_dtype="fp8",
-            strategy="tensor",
-            num_samples=num_samples,
-            seq_len=seq_len,
-            progress=False,
-        )
+        cal = calibrate(str(folded), raw=raw, progress=False, strategy="tensor", **data)
         cal.model, cal.fold = src, record
         write_checkpoint(cal, out, weights="copy", overwrite=overwrite)
     notes = [

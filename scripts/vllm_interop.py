@@ -77,44 +77,19 @@ def vllm_run(model: str, kv: str, wins: list[list[int]]) -> dict:
     }
 
 
+# the calibration text of both: 64 x 512 WikiText-2 validation tokens
+DATA = ["--dataset", str(find_data_file(WIKITEXT_VALID)), "--num-samples", "64", "--seq-len", "512"]
+
+
 def calibrate(out: Path, strategy: str) -> Path:
-    argv = [
-        "calibrate",
-        "smollm2-135m",
-        "--dataset",
-        str(find_data_file(WIKITEXT_VALID)),
-        "--num-samples",
-        "64",
-        "--seq-len",
-        "512",
-        "--kv-cache-dtype",
-        "fp8",
-        "--strategy",
-        strategy,
-        "--no-progress",
-        "-o",
-        str(out),
-    ]
-    if qkv_main(argv) != 0:
+    argv = ["calibrate", "smollm2-135m", *DATA, "--kv-cache-dtype", "fp8", "--strategy", strategy, "--no-progress"]
+    if qkv_main([*argv, "-o", str(out)]) != 0:
         raise SystemExit(f"qkv calibrate --strategy {strategy} failed")
     return out
 
 
 def fold(out: Path) -> Path:
-    argv = [
-        "export-vllm",
-        "smollm2-135m",
-        "--fold",
-        "--dataset",
-        str(find_data_file(WIKITEXT_VALID)),
-        "--num-samples",
-        "64",
-        "--seq-len",
-        "512",
-        "-o",
-        str(out),
-    ]
-    if qkv_main(argv) != 0:
+    if qkv_main(["export-vllm", "smollm2-135m", "--fold", *DATA, "-o", str(out)]) != 0:
         raise SystemExit("qkv export-vllm --fold failed")
     return out
 
