@@ -58,12 +58,16 @@ MIN_ROWS = 3  # rows per call from which fp32 wins here; fewer are bound by read
 
 
 def native_16bit_matmul(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies ``dtype`` matrices in hardware (AVX512-BF16 or AMX)."""
-    cpu = torch.cpu
+    """Whether this CPU multiplies ``dtype`` matrices in hardware (AVX512-BF16 or AMX) and oneDNN may use it.
+
+    Both are asked: the CPU's flags, and oneDNN's own answer, which ``ONEDNN_MAX_CPU_ISA`` lowers (the exactness
+    rerun caps it at AVX2, and then a bf16 weight reorder raises); such a process takes the AVX2 machines' path."""
+    cpu, mkldnn = torch.cpu, torch.ops.mkldnn
     if dtype == torch.bfloat16:
-        return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+        hw = cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+        return bool(hw and mkldnn._is_mkldnn_bf16_supported())
     if dtype == torch.float16:
-        return bool(cpu._is_amx_fp16_supported())
+        return bool(cpu._is_amx_fp16_supported() and mkldnn._is_mkldnn_fp16_supported())
     return True
 
 
@@ -79,23 +83,24 @@ def resolve_cpu_matmul(setting: str, model_dtype: torch.dtype, device: torch.dev
         return "model"
     if setting == "float32" or not native_16bit_matmul(model_dtype):
         return "float32"
-    return "packed" if onednn_available() else "model"
+    return "packed" if onednn_available(model_dtype) else "model"
 
 
 _COPIES = "_qkv_fp32_linears"  # attribute of the model holding its linears' fp32 copies, by layout
 _ONEDNN_ROWS = 16  # the row count oneDNN's weight layout is chosen for (measured: no slower at 1 or 2,048 rows)
 
 
-def onednn_available() -> bool:
-    """Whether this torch build can reorder a weight for oneDNN's inner product and run it (asked, not assumed)."""
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build can reorder a ``dtype`` weight for oneDNN's inner product and run it (asked, not
+    assumed: the answer depends on the build, the CPU and ``ONEDNN_MAX_CPU_ISA``)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8), _ONEDNN_ROWS)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), w, None, "none", [], "")
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype), _ONEDNN_ROWS)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), w, None, "none", [], "")
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
-    return bool(torch.equal(y, torch.full((2, 8), 8.0)))
+    return bool(torch.equal(y.float(), torch.full((2, 8), 8.0)))
 
 
 def _fp32_copies(

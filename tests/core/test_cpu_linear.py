@@ -19,6 +19,7 @@ from qkv.cpu_linear import (
     Fp32Linear,
     PackedLinear,
     linear_modes,
+    native_16bit_matmul,
     onednn_available,
     resolve_cpu_matmul,
 )
@@ -121,8 +122,21 @@ def test_resolve_cpu_matmul_auto_follows_the_cpu(monkeypatch):
     monkeypatch.setattr(cl, "native_16bit_matmul", lambda dtype: False)
     assert resolve_cpu_matmul("auto", torch.bfloat16, CPU) == "float32"
     monkeypatch.setattr(cl, "native_16bit_matmul", lambda dtype: True)
-    assert resolve_cpu_matmul("auto", torch.bfloat16, CPU) == ("packed" if onednn_available() else "model")
+    packs = onednn_available(torch.bfloat16)
+    assert resolve_cpu_matmul("auto", torch.bfloat16, CPU) == ("packed" if packs else "model")
     assert resolve_cpu_matmul("auto", torch.float32, CPU) == "model"
+
+
+@pytest.mark.exactness
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_16bit_matmul_means_onednn_can_pack_that_dtype(dtype):
+    """Where the CPU has bf16 units but oneDNN is capped below them (ONEDNN_MAX_CPU_ISA=AVX2, as the exactness
+    rerun runs), auto must not pick the packed path: its weight reorder would raise. Run under both ISAs by CI."""
+    if native_16bit_matmul(dtype):
+        assert onednn_available(dtype) is True
+        assert resolve_cpu_matmul("auto", dtype, CPU) == "packed"
+    else:
+        assert resolve_cpu_matmul("auto", dtype, CPU) == "float32"
 
 
 def test_batch_invariant_mode_sits_on_top_and_fp32_takes_every_call():
