@@ -144,6 +144,13 @@ class LLMEngine:
         if self.offload is not None:  # other bytes per block: other tier keys
             self.offload.rebind(self.model_path, self.dtype, self.cache)
 
+    def close(self, timeout: float | None = None) -> int:
+        """Finish what outlives the engine: a file tier's queued writes, within ``timeout`` seconds.
+
+        Returns the block writes dropped because the time ran out (0 without a tier).
+        """
+        return self.offload.close(timeout) if self.offload is not None else 0
+
     @property
     def kv_bytes_per_token(self) -> int:
         return self.cache.bytes_per_token
@@ -302,6 +309,8 @@ class LLMEngine:
                 logger.exception("request %s failed; aborting it", req.request_id)
                 advanced[req.request_id] = self._failed(req, f"{type(e).__name__}: {e}")
         self.stats.num_steps += 1
+        if self.offload is not None:  # the blocks this step completed, copied out before any can be reused
+            self.offload.write_through()
         self._update_gauges()
         return [req.output() for req in advanced.values()]
 

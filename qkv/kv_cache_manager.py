@@ -104,12 +104,15 @@ class KVCacheManager:
         """Publish the blocks whose tokens became all computed (call after the step's forward).
 
         Resumes at ``seq.num_cached_blocks``, so a long sequence costs the same per step as a short one.
+        With the offload tier, each newly full block is also noted for the tier's write-through.
         """
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         for i in range(seq.num_cached_blocks, num_full):
             self.pool.cache_full_block(seq.blocks[i], seq.block_hashes[i])
+            if self.offload is not None:  # write-through: the tier stores it at the end of the step
+                self.offload.on_computed(seq.blocks[i], seq.block_hashes[i])
         seq.num_cached_blocks = max(seq.num_cached_blocks, num_full)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

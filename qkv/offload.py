@@ -1,34 +1,34 @@
-"""A second tier for prefix-cache blocks: evicted blocks go to RAM or files and come back on a hit.
+"""A second tier for prefix-cache blocks: every computed block is stored in RAM or files, and comes back on a hit.
 
-vLLM's native CPU offload and LMCache keep KV blocks that the GPU pool drops in a larger, slower
-store; qkv does the same with its 8-bit blocks (``--kv-offloading-size GiB``, optionally backed by
-files under ``--kv-offloading-dir`` so that the tier survives restarts):
+vLLM's native CPU offload and LMCache keep KV blocks in a larger, slower store than the GPU pool;
+qkv does the same with its 8-bit blocks (``--kv-offloading-size GiB``, optionally backed by files
+under ``--kv-offloading-dir`` so that the tier survives restarts):
 
-* **Store on eviction.** ``BlockPool.get_new_blocks`` hands the cached blocks it evicts to
-  :meth:`KVOffload.on_evict` *before* returning them for reuse, so their bytes are still intact.
-  One ``index_select`` per layer tensor gathers all of them (K/V rows, plus the dynamic
-  per-token-head scales), and each block becomes one entry (:mod:`qkv.offload_tier`).
+* **Write-through.** ``KVCacheManager.cache_blocks`` publishes each block whose tokens are all
+  computed and notes it here (:meth:`KVOffload.on_computed`); at the end of the step
+  :meth:`KVOffload.write_through` gathers the noted blocks that the tier lacks with one
+  ``index_select`` per layer tensor and puts one entry per block (:mod:`qkv.offload_tier`). A file
+  tier writes on a background thread with a bounded queue (:mod:`qkv.offload_writer`): the step
+  never waits for the disk, and a block the writer has no room for is skipped and counted. Storing
+  at compute time, not at eviction, is what makes a restart or a crash lose little: the tier holds
+  every finished prompt, whether or not the device pool ever had to evict it.
+* **Eviction copies nothing.** ``BlockPool.get_new_blocks`` reports the cached blocks it evicts
+  (:meth:`KVOffload.on_evict`); their entries only move to the recent end of the tier's LRU.
 * **Load on a device miss.** ``KVCacheManager.get_computed_blocks`` walks a request's block hashes
   in the device pool; at the first miss it hands the walk to :meth:`KVOffload.extend_hits`, which
   continues along the same chain (device first, then the tier), reads the tier entries, copies
   them into fresh device blocks (one ``index_copy_`` per layer tensor) and publishes those under
   the same hashes. Afterwards the state is exactly as if a finished request had computed and
   freed them: free, cached blocks the scheduler then references as ordinary prefix hits.
-* **The key** is ``sha256(namespace || block hash)``. The block hash is the SHA-256 chain over the
-  whole prefix, with the request's ``cache_salt`` in the first block; the namespace
-  (:func:`namespace_digest`) covers what else decides the bytes: the model (name, config and
-  weight files), the model dtype, the block size, every layer's cache dtype, shape and rotation,
-  the bytes of every static scale, and the entry format. Bytes are reused only where they would
-  be recomputed identically up to batch effects, exactly like the device prefix cache.
+* **The key** is ``sha256(namespace || block hash)`` (:mod:`qkv.offload_entry`).
 
-With no ``--kv-offloading-size`` none of this is built: the pool's hook is ``None`` and a device
-miss costs one ``is None`` test.
+With no ``--kv-offloading-size`` none of this is built: the manager's and the pool's hooks are
+``None`` and cost one ``is None`` test each.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -37,8 +37,10 @@ import torch
 
 from .block_pool import BlockHash, BlockPool, KVBlock
 from .kv_cache import KVCache
+from .offload_entry import ENTRY_FORMAT_VERSION, CacheBlockIO, namespace_digest
 from .offload_files import FileBackend
 from .offload_tier import OffloadTier, RamBackend
+from .offload_writer import BackgroundWriter
 from .sequence import Sequence
 
 __all__ = [
@@ -55,101 +57,30 @@ __all__ = [
 
 logger = logging.getLogger("qkv")
 
-ENTRY_FORMAT_VERSION = 1  # the payload layout: per layer, the block's K/V rows then its dynamic scales
 OFFLOADING_BACKENDS = ("native",)  # vLLM also has "lmcache"; qkv does not implement it
-_EDGE = 1 << 20  # bytes hashed at each end of a weight file for the model identity
 
 # Counters for /metrics (qkv.server.metrics), named after vLLM's connector families where they exist.
 OFFLOAD_COUNTERS = {
     "external_prefix_cache_queries": "Prompt tokens of admitted requests looked up with the offload tier on.",
     "external_prefix_cache_hits": "Prompt tokens of admitted requests whose KV came from the offload tier.",
-    "kv_offload_stored_blocks": "Blocks written to the offload tier when the device pool evicted them.",
+    "kv_offload_stored_blocks": "Computed blocks stored in the offload tier (write-through).",
+    "kv_offload_skipped_blocks": "Computed blocks not stored because the tier's background writer was behind.",
     "kv_offload_loaded_blocks": "Blocks loaded from the offload tier into the device pool.",
     "kv_offload_bytes_written": "Payload bytes written to the offload tier.",
     "kv_offload_bytes_read": "Payload bytes read back from the offload tier.",
-    "kv_offload_store_seconds": "Seconds spent copying evicted blocks into the offload tier.",
+    "kv_offload_store_seconds": "Seconds the engine thread spent copying computed blocks out for the tier.",
     "kv_offload_load_seconds": "Seconds spent loading blocks from the offload tier (part of those requests' TTFT).",
     "kv_offload_bad_entries": "Offload entries that failed their checks (corrupt, truncated) and were recomputed.",
 }
 OFFLOAD_GAUGES = {
     "kv_offload_used_bytes": "Bytes held by the offload tier (its cap is --kv-offloading-size).",
     "kv_offload_entries": "Blocks held by the offload tier.",
+    "kv_offload_write_queue_bytes": "Payload bytes queued for the file tier's background writer.",
 }
 
 
-def _model_identity(model_path: Path) -> dict:
-    """Name, config digest and weight files of a checkpoint directory.
-
-    Each weight file counts with its size and the SHA-256 of its first and last MiB: hashing
-    gigabytes at every start would cost seconds, while any retrained or requantized checkpoint
-    differs in its header or first tensors.
-    """
-    config = model_path / "config.json"
-    weights = []
-    for f in sorted([*model_path.glob("*.safetensors"), *model_path.glob("*.bin")]):
-        size = f.stat().st_size
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            h.update(fh.read(_EDGE))
-            fh.seek(max(0, size - _EDGE))
-            h.update(fh.read(_EDGE))
-        weights.append([f.name, size, h.hexdigest()])
-    return {
-        "name": model_path.name,
-        "weights": weights,
-        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.exists() else None,
-    }
-
-
-def namespace_digest(model_path: Path, model_dtype: torch.dtype, cache: KVCache) -> bytes:
-    """The engine-level part of every tier key: what, besides the tokens, decides a block's bytes."""
-    material = {
-        "entry_format": ENTRY_FORMAT_VERSION,
-        "model": _model_identity(Path(model_path)),
-        "model_dtype": str(model_dtype),
-        "block_size": cache.block_size,
-        "layers": [
-            [s.layer_idx, s.num_kv_heads, s.head_dim, s.dtype.name, str(s.dtype.storage), s.rotation]
-            for s in cache.specs
-        ],
-    }
-    h = hashlib.sha256(json.dumps(material, sort_keys=True).encode())
-    for layer in cache.layers:  # static scales, every byte (a recalibration changes the quantized bytes)
-        for t in (layer.k_scale, layer.v_scale):
-            raw = b"" if t is None else t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-            h.update(len(raw).to_bytes(8, "big") + raw)
-    return h.digest()
-
-
-class CacheBlockIO:
-    """Whole blocks of every layer as bytes: each layer tensor seen as ``[num_blocks, bytes per block]``."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.views: list[torch.Tensor] = []
-        for layer in cache.layers:
-            for t in (layer.kv, layer.scale_cache):
-                if t is not None:  # a uint8 view of the same memory, one row per block
-                    self.views.append(t.view(torch.uint8).reshape(cache.num_blocks, -1))
-        self.block_bytes = sum(v.shape[1] for v in self.views)
-        self.device = self.views[0].device
-
-    def gather(self, block_ids: list[int]) -> list[bytes]:
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        rows = torch.cat([v.index_select(0, idx) for v in self.views], dim=1).cpu()
-        return [r.numpy().tobytes() for r in rows]
-
-    def scatter(self, block_ids: list[int], payloads: list[bytes]) -> None:
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        data = data.reshape(len(block_ids), self.block_bytes).to(self.device)
-        col = 0
-        for v in self.views:
-            v.index_copy_(0, idx, data[:, col : col + v.shape[1]])
-            col += v.shape[1]
-
-
 class KVOffload:
-    """Connects the device pool to the tier: stores evicted blocks, loads tier hits, counts both."""
+    """Connects the device pool to the tier: stores computed blocks, loads tier hits, counts both."""
 
     def __init__(self, tier: OffloadTier, io, namespace: bytes, block_size: int) -> None:
         self.tier, self.io, self.namespace, self.block_size = tier, io, namespace, block_size
@@ -158,34 +89,58 @@ class KVOffload:
         self.query_tokens = self.hit_tokens = 0
         self.store_errors = 0
         self._loaded: dict[int, BlockHash] = {}  # device blocks loaded from the tier, not yet credited
+        self._computed: dict[BlockHash, int] = {}  # blocks published this step, not yet stored: hash -> id
 
     def key(self, block_hash: BlockHash) -> bytes:
         return hashlib.sha256(self.namespace + block_hash).digest()
 
     # -- device -> tier ---------------------------------------------------------------------------
-    def on_evict(self, evicted: list[tuple[int, BlockHash]]) -> None:
-        """``BlockPool``'s hook: the cached blocks one allocation just evicted, bytes still intact."""
+    def on_computed(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """``KVCacheManager``'s hook: ``block`` was just published under ``block_hash``; store it this step."""
+        self._computed.setdefault(block_hash, block.block_id)  # two sequences may compute one hash at once
+
+    def write_through(self) -> None:
+        """Store the blocks computed since the last call that the tier lacks (the engine calls it after each step).
+
+        The device bytes are copied out here, on the engine thread, while no block can be reused;
+        hashing and writing them is the tier's business (a file tier's thread). Nothing here raises:
+        the serving path must not fail because the tier did.
+        """
+        if not self._computed:
+            return
         t0 = time.perf_counter()
         todo: list[tuple[int, bytes]] = []
-        for block_id, block_hash in evicted:
-            self._loaded.pop(block_id, None)
+        for block_hash, block_id in self._computed.items():
             key = self.key(block_hash)
             if key in self.tier:
                 self.tier.touch(key)
             else:
                 todo.append((block_id, key))
+        self._computed.clear()
         if not todo:
             return
-        try:  # the allocation path must not fail because the tier did
+        try:
             for (_, key), payload in zip(todo, self.io.gather([b for b, _ in todo])):
                 self.stored_blocks += self.tier.put(key, payload)
         except Exception as e:  # noqa: BLE001
             self.store_errors += 1
             if self.store_errors == 1:
                 logger.warning(
-                    "KV offload: storing evicted blocks failed (%s: %s); going on without them", type(e).__name__, e
+                    "KV offload: storing computed blocks failed (%s: %s); going on without them", type(e).__name__, e
                 )
         self.store_seconds += time.perf_counter() - t0
+
+    def on_evict(self, evicted: list[tuple[int, BlockHash]]) -> None:
+        """``BlockPool``'s hook: the cached blocks one allocation just evicted, bytes still intact.
+
+        Their bytes went to the tier when they were computed; an eviction only marks their entries
+        recently used. A block computed in this very step is stored first, while its bytes last.
+        """
+        if self._computed:
+            self.write_through()
+        for block_id, block_hash in evicted:
+            self._loaded.pop(block_id, None)
+            self.tier.touch(self.key(block_hash))
 
     # -- tier -> device ---------------------------------------------------------------------------
     def extend_hits(self, pool: BlockPool, hashes: list[BlockHash], hits: list[KVBlock]) -> list[KVBlock]:
@@ -260,11 +215,24 @@ class KVOffload:
         self.io = CacheBlockIO(cache)
         self.namespace = namespace_digest(model_path, model_dtype, cache)
         self._loaded.clear()
+        self._computed.clear()
 
     def clear(self) -> None:
         """Empty the tier (a benchmark's cold start)."""
+        self._computed.clear()
         self.tier.clear()
+        self.flush()
         self._loaded.clear()
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Wait for a file tier's queued writes, at most ``timeout`` s; returns those left (0 for RAM)."""
+        self.write_through()
+        return self.tier.backend.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> int:
+        """Store what is pending and stop a file tier's writer; returns the writes dropped at ``timeout``."""
+        self.write_through()
+        return self.tier.backend.close(timeout)
 
     def counters(self) -> dict[str, float]:
         """The values of :data:`OFFLOAD_COUNTERS` and :data:`OFFLOAD_GAUGES`."""
@@ -273,6 +241,7 @@ class KVOffload:
             "external_prefix_cache_queries": self.query_tokens,
             "external_prefix_cache_hits": self.hit_tokens,
             "kv_offload_stored_blocks": self.stored_blocks,
+            "kv_offload_skipped_blocks": t.skipped,
             "kv_offload_loaded_blocks": self.loaded_blocks,
             "kv_offload_bytes_written": t.bytes_written,
             "kv_offload_bytes_read": t.bytes_read,
@@ -281,6 +250,7 @@ class KVOffload:
             "kv_offload_bad_entries": t.bad_entries,
             "kv_offload_used_bytes": t.used,
             "kv_offload_entries": len(t),
+            "kv_offload_write_queue_bytes": t.backend.pending_bytes,
         }
 
     def report(self) -> dict:
@@ -301,13 +271,13 @@ def build_offload(
     if config.kv_offloading_size is None:
         return None
     capacity = int(config.kv_offloading_size * 2**30)
-    backend = FileBackend(config.kv_offloading_dir) if config.kv_offloading_dir else RamBackend()
+    backend = BackgroundWriter(FileBackend(config.kv_offloading_dir)) if config.kv_offloading_dir else RamBackend()
     io = CacheBlockIO(cache)
     offload = KVOffload(
         OffloadTier(capacity, backend), io, namespace_digest(model_path, model_dtype, cache), cache.block_size
     )
     pool.on_evict = offload.on_evict
-    kv_manager.offload = offload
+    kv_manager.offload = offload  # notes computed blocks (on_computed) and extends prefix walks (extend_hits)
     where = f"files in {config.kv_offloading_dir}" if config.kv_offloading_dir else "RAM"
     found = f", {offload.tier.found_at_start} entries found there" if config.kv_offloading_dir else ""
     logger.info(
@@ -324,7 +294,7 @@ def build_offload(
 def evict_free_blocks(pool: BlockPool) -> None:
     """Evict every free cached block through the real path (allocate all free blocks, release them).
 
-    With a tier, their bytes go there; the device keeps none of them cached. Benchmarks and
-    tests use it to turn a device hit into a tier hit.
+    The device keeps none of them cached (the tier has had their bytes since they were computed).
+    Benchmarks and tests use it to turn a device hit into a tier hit.
     """
     pool.free_blocks(pool.get_new_blocks(pool.num_free_blocks))

@@ -58,7 +58,12 @@ class FileBackend:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return HEADER.size + len(payload)
+        return self.entry_bytes(len(payload))
+
+    @staticmethod
+    def entry_bytes(payload_len: int) -> int:
+        """What an entry occupies against the tier's cap: the header and the payload."""
+        return HEADER.size + payload_len
 
     def read(self, key: bytes) -> bytes | None:
         """The payload, or ``None`` after one warning naming the file if it is missing, truncated or corrupt.
@@ -109,6 +114,14 @@ class FileBackend:
 
     def describe(self) -> dict:
         return {"backend": self.name, "dir": str(self.dir)}
+
+    pending_bytes = 0  # on its own it writes synchronously; qkv.offload_writer puts a thread in front
+
+    def flush(self, timeout: float | None = None) -> int:
+        return 0
+
+    def close(self, timeout: float | None = None) -> int:
+        return 0
 
     @staticmethod
     def _bad(path: Path, why: str) -> None:

@@ -14,20 +14,28 @@ import logging
 from collections import OrderedDict
 from typing import Protocol
 
-__all__ = ["OffloadTier", "RamBackend", "TierBackend"]
+__all__ = ["OffloadTier", "RamBackend", "TierBackend", "TierBusy"]
 
 logger = logging.getLogger("qkv")
+
+
+class TierBusy(Exception):
+    """A backend cannot take a write now (its background writer is behind): the entry is skipped."""
 
 
 class TierBackend(Protocol):
     name: str
 
-    def write(self, key: bytes, payload: bytes) -> int: ...  # bytes charged against the cap
+    def write(self, key: bytes, payload: bytes) -> int: ...  # bytes charged against the cap; may raise TierBusy
     def read(self, key: bytes) -> bytes | None: ...  # None: gone or corrupt (backend warns)
     def touch(self, key: bytes) -> None: ...
     def delete(self, key: bytes) -> None: ...
     def scan(self) -> list[tuple[bytes, int]]: ...  # existing (key, size), LRU first
     def describe(self) -> dict: ...
+    @property
+    def pending_bytes(self) -> int: ...  # payload bytes queued, not yet written
+    def flush(self, timeout: float | None) -> int: ...  # wait for queued writes; returns those left
+    def close(self, timeout: float | None) -> int: ...  # flush, then stop; returns the writes dropped
 
 
 class RamBackend:
@@ -41,6 +49,9 @@ class RamBackend:
     def write(self, key: bytes, payload: bytes) -> int:
         self.data[key] = payload
         return len(payload)
+
+    def entry_bytes(self, payload_len: int) -> int:
+        return payload_len
 
     def read(self, key: bytes) -> bytes | None:
         return self.data.get(key)
@@ -56,6 +67,14 @@ class RamBackend:
 
     def describe(self) -> dict:
         return {"backend": self.name}
+
+    pending_bytes = 0  # writes are done when write() returns
+
+    def flush(self, timeout: float | None = None) -> int:
+        return 0
+
+    def close(self, timeout: float | None = None) -> int:
+        return 0
 
 
 class OffloadTier:
@@ -73,6 +92,7 @@ class OffloadTier:
         self.evictions = 0  # entries dropped to stay under the cap
         self.bad_entries = 0  # entries that failed to read back (corrupt, truncated, gone)
         self.write_errors = 0
+        self.skipped = 0  # entries not stored because the backend was busy (TierBusy)
         for key, size in backend.scan():
             self.index[key] = size
             self.used += size
@@ -94,16 +114,18 @@ class OffloadTier:
         """Store ``payload`` as the most recent entry, evicting the least recent ones to fit.
 
         ``False`` if it was not stored: already there (the bytes of one key are interchangeable),
-        larger than the whole cap, or the backend failed (one warning per kind of error).
+        larger than the whole cap, the backend busy (counted in ``skipped``) or failing (one warning).
         """
         if key in self.index:
             self.index.move_to_end(key)
             return False
         if len(payload) > self.capacity:
             return False
-        self._make_room(len(payload))
         try:
             size = self.backend.write(key, payload)
+        except TierBusy:
+            self.skipped += 1
+            return False
         except OSError as e:
             self.write_errors += 1
             if self.write_errors == 1:
@@ -118,7 +140,7 @@ class OffloadTier:
         self.used += size
         self.bytes_written += len(payload)
         self.entries_written += 1
-        self._make_room(0)  # a file's header may have tipped it over
+        self._make_room(0)  # evicts after the write, so that a busy backend costs no entry
         return key in self.index
 
     def get(self, key: bytes) -> bytes | None:
@@ -166,4 +188,5 @@ class OffloadTier:
             "evictions": self.evictions,
             "bad_entries": self.bad_entries,
             "write_errors": self.write_errors,
+            "skipped": self.skipped,
         }

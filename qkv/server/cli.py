@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import uvicorn
@@ -43,8 +44,16 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
+        self.shutdown_started: float | None = None  # time.monotonic() when the signal came
+
+    def time_left(self) -> float:
+        """What is left of ``shutdown_timeout`` since the signal (all of it if none came)."""
+        if self.shutdown_started is None:
+            return self.shutdown_timeout
+        return max(0.0, self.shutdown_timeout - (time.monotonic() - self.shutdown_started))
 
     async def shutdown(self, sockets=None) -> None:
+        self.shutdown_started = time.monotonic()
         cut = asyncio.ensure_future(self._cut_after_timeout())
         try:
             await super().shutdown(sockets)
@@ -81,7 +90,8 @@ class ServeOptions:
     shutdown_timeout: float = option(
         60.0,
         "on SIGTERM, wait this long for in-flight requests, then end them with an error "
-        "(streams: an SSE error event and [DONE])",
+        "(streams: an SSE error event and [DONE]); a file offload tier's queued writes are flushed "
+        "in what is left",
         ge=0,
     )
 
@@ -131,7 +141,21 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     logger.info("serving %s as %s on http://%s:%d", engine.model_path, ", ".join(names), opts.host, opts.port)
     server.run()
+    _close_engine(engine, server.time_left())
     if not server.started:  # e.g. the port is taken; uvicorn has logged why
         return 1
     logger.info("server stopped")
     return 0
+
+
+def _close_engine(engine, timeout: float) -> None:
+    """Flush the offload tier's queued writes in what is left of --shutdown-timeout, so a restart hits them."""
+    if engine.offload is None:
+        return
+    t0 = time.monotonic()
+    queued = engine.offload.counters()["kv_offload_write_queue_bytes"]
+    dropped = engine.close(timeout)
+    if dropped:
+        logger.warning("KV offload: %d block writes dropped: --shutdown-timeout reached", dropped)
+    elif queued:
+        logger.info("KV offload: %d queued bytes written in %.2f s", queued, time.monotonic() - t0)

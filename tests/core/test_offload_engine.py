@@ -1,8 +1,8 @@
 """The offload tier inside the engine: a 2,048-token prefix evicted from the device comes back from the tier.
 
-Everything is exact: 128 blocks of 3,072 bytes are stored and loaded, the loaded bytes equal the bytes
-the prefill wrote (and those of a run without the tier), the tokens equal the recomputed tokens, and a
-corrupted file is one warning and a recomputation from that block on.
+Everything is exact: 128 blocks of 3,072 bytes are stored as they are computed (write-through) and
+loaded, the loaded bytes equal the bytes the prefill wrote (and those of a run without the tier), the
+tokens equal the recomputed tokens, and a corrupted file is one warning and a recomputation from that block on.
 """
 
 import logging
@@ -12,7 +12,7 @@ from support.offload import BLOCK_BYTES_FP8, ENGINE, NUM_PREFIX_BLOCKS, PROMPT, 
 
 from qkv import LLM, SamplingParams
 from qkv.offload import CacheBlockIO, evict_free_blocks
-from qkv.offload_files import HEADER, SUFFIX
+from qkv.offload_files import HEADER, SUFFIX, check_entry
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 HASHES = chain(PROMPT)
@@ -44,9 +44,13 @@ def offload_llm(model: str, tier_dir=None) -> LLM:
 
 
 def cold_then_evicted(llm: LLM) -> list[int]:
-    """Prefill the prompt once, then evict every free cached block into the tier; returns the tokens."""
+    """Prefill the prompt once (the tier stores its blocks as they are computed), then evict every free
+    cached block from the device; returns the tokens."""
     engine = llm.llm_engine
     tokens = llm.generate(PROMPT, PARAMS)[0].outputs[0].token_ids
+    assert engine.offload.flush() == 0  # a file tier's writer has written every file
+    assert None not in [engine.pool.get_cached_block(h) for h in HASHES]  # still on the device, and stored
+    assert engine.offload.counters()["kv_offload_stored_blocks"] == NUM_PREFIX_BLOCKS
     evict_free_blocks(engine.pool)
     assert [engine.pool.get_cached_block(h) for h in HASHES] == [None] * NUM_PREFIX_BLOCKS
     c = engine.offload.counters()
@@ -102,6 +106,9 @@ def test_corrupted_entry_is_recomputed_with_one_warning(model, recomputed, tmp_p
         1,
     )
     assert llm.llm_engine.stats.prefix_cache_hits == 64 * 16
-    assert not bad.exists() and offload.key(HASHES[64]) not in offload.tier
+    # of the recomputed blocks 65..128, the tier lacked only the 65th: stored again, the bad file is now a good one
+    assert offload.flush() == 0 and c["kv_offload_stored_blocks"] == NUM_PREFIX_BLOCKS + 1
+    assert check_entry(bad.read_bytes(), offload.key(HASHES[64])) is None
+    assert bad.read_bytes()[HEADER.size :] == recomputed[1][64]
     assert prefix_bytes(llm.llm_engine)[:64] == recomputed[1][:64]  # the loaded blocks, bit for bit
     llm.llm_engine.pool.check_no_leaks()
