@@ -23,7 +23,9 @@ from .. import __version__
 from .async_engine import AsyncEngine
 from .body import read_json
 from .metrics import ServerMetrics
-from .protocol import APIError, error_body
+from .openapi import ServedLimits, build_openapi, request_body, responses
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from .responses import ChatCompletionResponse, CompletionResponse, ModelList, Version
 from .serving import OpenAIServing
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "build_app", "kv_report", "ContainErrors"]
@@ -54,8 +56,10 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status)
+def _error(
+    status: int, message: str, type: str = "invalid_request_error", param=None, code=None, headers=None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
 
 
 class ContainErrors:
@@ -100,7 +104,6 @@ def build_app(
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_model_len: int | None = None,
     model_root: str | None = None,
 ) -> FastAPI:
     serving = OpenAIServing(engine, model_names)
@@ -112,7 +115,18 @@ def build_app(
         yield
         await engine.stop()
 
-    app = FastAPI(title="qkv", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json sits behind the API key like /v1 (it is not in OPEN_PATHS); no /docs: its page loads
+    # Swagger UI from a CDN, which a loopback-only server cannot count on.
+    app = FastAPI(title="qkv", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    limits = ServedLimits.of(engine.engine, model_names)
+    schema: dict = {}
+
+    def openapi() -> dict:
+        if not schema:
+            schema.update(build_openapi(app, limits, OPEN_PATHS, auth=api_key is not None))
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to supply the document
 
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -131,19 +145,20 @@ def build_app(
             f"{request.method} {request.scope.get('path', '')}: {exc.detail}",
             kind,
             code=exc.status_code,
+            headers=exc.headers,  # e.g. Allow on a 405
         )
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=responses(None, 503))
     async def health():
         if not engine.alive:
             return _error(503, "the engine is not running", "service_unavailable", code=503)
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", responses=responses(Version))
     async def version():
         return {"version": __version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=responses(ModelList))
     async def models():
         return {
             "object": "list",
@@ -155,25 +170,33 @@ def build_app(
                     "owned_by": "qkv",
                     "root": model_root or name,
                     "parent": None,
-                    "max_model_len": max_model_len,
+                    "max_model_len": limits.max_model_len,
                 }
                 for name in model_names
             ],
         }
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        responses=responses(CompletionResponse, 400, 404, 413, 503, stream=True),
+        openapi_extra=request_body(CompletionRequest),
+    )
     async def completions(request: Request):
         return await serving.completions(request, await read_json(request, max_body_bytes))
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses=responses(ChatCompletionResponse, 400, 404, 413, 503, stream=True),
+        openapi_extra=request_body(ChatCompletionRequest),
+    )
     async def chat_completions(request: Request):
         return await serving.chat(request, await read_json(request, max_body_bytes))
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=responses(None, media="text/plain"))
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/debug/kv")
+    @app.get("/debug/kv", include_in_schema=False)
     async def debug_kv():
         """Block accounting of the paged cache, read on the engine thread between steps."""
         return await engine.call(kv_report)

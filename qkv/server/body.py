@@ -6,6 +6,10 @@ accepts lone surrogates (``"\\ud800"``), which no UTF-8 encoder, tokenizer or
 JSON response can handle later. All of these are the client's problem, so
 they are answered here, before pydantic sees the body: the body is parsed,
 then walked once, iteratively, to bound its nesting and check its strings.
+
+A number written with a fraction or exponent that is a whole number (``2.0``, ``1e2``) is read as an
+integer: JSON Schema calls it one, so ``/openapi.json``'s ``integer`` fields must take it, while the
+request models stay strict about strings and booleans.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ async def read_json(request: Request, limit: int) -> object:
         if len(body) > limit:
             raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_float=_number)
     except RecursionError:
         raise APIError(
             400, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json"
@@ -41,6 +45,11 @@ async def read_json(request: Request, limit: int) -> object:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     check_json(data)
     return data
+
+
+def _number(text: str) -> int | float:
+    x = float(text)
+    return int(x) if x.is_integer() else x  # inf and nan are not integers, and stay floats to be refused
 
 
 def check_json(data: object, max_depth: int = MAX_JSON_DEPTH) -> None:

@@ -123,7 +123,6 @@ def serve(args: argparse.Namespace) -> int:
         metrics,
         api_key=opts.api_key or None,
         max_body_bytes=parse_size(opts.max_request_body),
-        max_model_len=engine.max_model_len,
         model_root=str(engine.model_path),
     )
     config = uvicorn.Config(

@@ -13,15 +13,20 @@ streaming: the best are known at the end). Logprobs follow OpenAI: on chat
 ``logprobs: true`` and ``top_logprobs: k``; on completions ``logprobs: k``, and
 with ``echo`` the prompt's logprobs too (``max_tokens: 0`` with ``echo`` returns
 the prompt alone, as vLLM does). ``k`` is at most 20.
+
+These models are also the request schemas of ``/openapi.json`` (:mod:`.openapi`), so a limit the server
+enforces is written on the field, where the schema shows it. Values a field's type admits but qkv refuses
+with a message of its own (``suffix``, ``tools``, the penalties, ``logprobs: true``) carry a
+``WithJsonSchema`` that states the narrower rule.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, WithJsonSchema
 
-from ..sampling import MAX_LOGPROBS, SamplingParams
+from ..sampling import MAX_LOGPROBS, MAX_SAMPLES, SamplingParams
 
 __all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "error_body", "parse_request"]
 
@@ -69,6 +74,25 @@ def _finite(ge: float | None = None, le: float | None = None, gt: float | None =
 
 _INT64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 _TOP = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+_SAMPLES = Annotated[int, Field(ge=1, le=MAX_SAMPLES)]  # the served engine may lower the bound (.openapi)
+TOKEN_ID = Annotated[int, Field(ge=0)]  # below the vocabulary size: checked by the engine, stated by .openapi
+_TEXT = Annotated[str, Field(min_length=1)]
+
+
+def _refused(schema: dict, why: str):
+    """A field whose type admits more than qkv serves: the schema states only what is accepted."""
+    return WithJsonSchema({**schema, "description": why})
+
+
+def _stated(strict, why: str | None = None):
+    """Publish ``strict``'s schema on a field validated more loosely, where the server's own check gives a
+    clearer message than pydantic's error for a branch of a union (an empty stop string, a negative id)."""
+    schema = TypeAdapter(strict).json_schema()
+    return WithJsonSchema(schema if why is None else {**schema, "description": why})
+
+
+_NO_TOOLS = _refused({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}, "not supported by qkv")
+_ZERO_ONLY = _refused({"anyOf": [{"const": 0}, {"type": "null"}]}, "not supported by qkv: only 0 is accepted")
 
 
 class _Strict(BaseModel):
@@ -84,19 +108,19 @@ class _SamplingFields(_Strict):
     max_tokens: int | None = None
     temperature: _finite(ge=0, le=2) | None = None  # OpenAI's range
     top_p: _finite(gt=0, le=1) | None = None
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1: off
     seed: _INT64 | None = None  # vLLM's range
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int | None = None
-    best_of: int | None = None
+    stop: Annotated[str | list[str] | None, _stated(_TEXT | list[_TEXT] | None)] = None
+    stop_token_ids: Annotated[list[int] | None, _stated(list[TOKEN_ID] | None)] = None
+    n: _SAMPLES | None = None
+    best_of: _SAMPLES | None = Field(None, description="at least n; with stream, equal to n")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Annotated[int, Field(ge=0, description="at most max_tokens")] = 0
     skip_special_tokens: bool = True
-    presence_penalty: _finite(ge=-2, le=2) | None = None
-    frequency_penalty: _finite(ge=-2, le=2) | None = None
+    presence_penalty: Annotated[_finite(ge=-2, le=2) | None, _ZERO_ONLY] = None
+    frequency_penalty: Annotated[_finite(ge=-2, le=2) | None, _ZERO_ONLY] = None
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM: isolates this tenant's prefix cache
 
@@ -152,12 +176,42 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+_PROMPT_WHY = "its tokens plus max_tokens must fit in max_model_len"
+
+
+def _implies(field: str, when: dict, other: str, value) -> dict:
+    """JSON Schema for "if ``field`` matches ``when``, ``other`` must be ``value``" (a rule across two fields)."""
+    return {
+        "if": {"required": [field], "properties": {field: when}},
+        "then": {"required": [other], "properties": {other: {"const": value}}},
+    }
+
+
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    model_config = ConfigDict(json_schema_extra={"allOf": [_implies("max_tokens", {"const": 0}, "echo", True)]})
+
+    prompt: Annotated[
+        str | list[int] | list[str] | list[list[int]],
+        _stated(
+            _TEXT
+            | Annotated[list[TOKEN_ID], Field(min_length=1)]
+            | Annotated[list[_TEXT], Field(min_length=1)]
+            | Annotated[list[Annotated[list[TOKEN_ID], Field(min_length=1)]], Field(min_length=1)],
+            f"a text, token ids, or a batch of either; for each prompt, {_PROMPT_WHY}",
+        ),
+    ]
+    # OpenAI's default for completions; 0 only with echo (the prompt alone)
+    max_tokens: Annotated[int, Field(ge=0, description="0 only with echo")] | None = 16
     echo: bool = False
-    suffix: str | None = None
-    logprobs: _TOP | bool | None = None  # OpenAI: an integer; false is taken as none, true is refused
+    suffix: Annotated[str | None, _refused({"anyOf": [{"const": ""}, {"type": "null"}]}, "not supported by qkv")] = None
+    # OpenAI: an integer; false is taken as none, true is refused
+    logprobs: Annotated[
+        _TOP | bool | None,
+        _refused(
+            {"anyOf": [{"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}, {"const": False}, {"type": "null"}]},
+            "alternatives per token; false or null: none",
+        ),
+    ] = None
     # vLLM's extension: logprobs name tokens "token_id:N" instead of their text, so that two tokens that
     # decode alike stay apart (qkv eval --server scores this way)
     return_tokens_as_token_ids: bool = False
@@ -218,11 +272,18 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    tools: list | None = None
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [_implies("top_logprobs", {"type": "integer", "minimum": 1}, "logprobs", True)]}
+    )
+
+    messages: Annotated[
+        list[ChatMessage], Field(min_length=1, description=f"rendered by the model's chat template; {_PROMPT_WHY}")
+    ]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: Annotated[list | None, _NO_TOOLS] = None
     logprobs: bool | None = None
-    top_logprobs: _TOP | None = None
+    top_logprobs: _TOP | None = Field(None, description="needs logprobs: true")
 
     def sample_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

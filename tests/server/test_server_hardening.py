@@ -134,9 +134,18 @@ CASES = [
         "does not fit",
     ),
     (
-        "max-tokens-float-1e9",
+        "max-tokens-float-1e9",  # a whole number, so an integer to JSON Schema: refused for its size
         "/v1/completions",
         b'{"prompt": "hi", "max_tokens": 1e9}',
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+        "max_tokens=1000000000 does not fit",
+    ),
+    (
+        "max-tokens-fraction",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 2.5}',
         400,
         "max_tokens",
         None,

@@ -45,17 +45,17 @@ def test_parse_request_errors():
     sp = req.sampling_params(req.max_tokens)
     assert (sp.temperature, sp.top_k, sp.max_tokens) == (0.0, 5, 16)
     for bad, param in (
-        ({"n": 0}, "n"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),  # 0 is allowed with echo
         ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
     ):
         r = parse_request(CompletionRequest, {"prompt": "x", **bad})
         with pytest.raises(APIError) as e:
             r.sampling_params(r.max_tokens)
         assert e.value.param == param
-    with pytest.raises(APIError) as e:  # the range is checked by the request model itself
-        parse_request(CompletionRequest, {"prompt": "x", "top_p": 0})
-    assert (e.value.status, e.value.param) == (400, "top_p")
+    for bad, param in (({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"best_of": 129}, "best_of")):
+        with pytest.raises(APIError) as e:  # the range is checked by the request model itself
+            parse_request(CompletionRequest, {"prompt": "x", **bad})
+        assert (e.value.status, e.value.param) == (400, param)
     chat = parse_request(
         ChatCompletionRequest,
         {

@@ -232,7 +232,7 @@ async def running_app(path: str, engine: dict | None = None, **app_kw):
     llm_engine = LLMEngine(EngineConfig(model=path, **(engine or {"dtype": "float32", "num_blocks": 64})))
     metrics = ServerMetrics("tiny")
     async_engine = AsyncEngine(llm_engine, metrics, log_stats=False)
-    app = build_app(async_engine, ["tiny"], metrics, max_model_len=llm_engine.max_model_len, **app_kw)
+    app = build_app(async_engine, ["tiny"], metrics, **app_kw)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=600) as client:
