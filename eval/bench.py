@@ -23,6 +23,12 @@ Three modes, all writing one JSON file whose ratios the README quotes:
   (label ``+ram``) and in files (``+file``), side by side. The tier is emptied at the
   start of every repeat, so the cold run is cold (``--kv-offloading-dir`` is emptied too).
 
+``throughput`` with ``--kv-offloading-size`` measures what the write-through tier costs: every dtype runs
+with prefix caching on, once without a tier (its plain label) and once with it (``+ram``, and ``+file``
+with ``--kv-offloading-dir``), the prefix cache and the tier emptied before every run so that nothing
+is a hit; ``ratio_to_tier_off`` is the tier's cost (or gain: a preempted sequence may reload its
+blocks from the tier instead of recomputing them).
+
 Every engine shares one copy of the weights, runs are interleaved (each repeat runs
 every dtype once, in rotating order) so drifts of the machine hit all alike, and
 the load average before and after is recorded: numbers measured on a busy machine
@@ -54,12 +60,14 @@ from .bench_throughput import fits_all_engine, throughput
 from .bench_transformers import load_baselines
 from .configs import EvalConfig, parse_configs
 from .latency import median_ratio, random_prompts, rotate_order, run_requests
+from .machine import cpu_info
 
 __all__ = ["BenchOptions", "BENCH_ENGINE_FIELDS", "run_bench", "MODES"]
 
 MODES = ("throughput", "latency", "prefix")
 # bench sets the two engine fields it measures itself: the cache dtype (one engine per --kv-cache-dtypes entry)
-# and prefix caching (on in prefix mode only: the other modes repeat their prompts, and a hit would time nothing).
+# and prefix caching (on in prefix mode, and in throughput mode with a tier, which needs it; off in the other
+# runs: they repeat their prompts, and a hit would time nothing).
 BENCH_ENGINE_FIELDS = tuple(f for f in ENGINE_FLAG_FIELDS if f not in ("kv_cache_dtype", "enable_prefix_caching"))
 
 
@@ -68,7 +76,9 @@ class BenchOptions(Checked):
     """``qkv bench``'s options; the engine's are EngineConfig's (:data:`BENCH_ENGINE_FIELDS`)."""
 
     mode: str = option(
-        "latency", "throughput, latency or prefix; prefix caching is on in prefix mode only", choices=MODES
+        "latency",
+        "throughput, latency or prefix; prefix caching is on in prefix mode, and with an offload tier",
+        choices=MODES,
     )
     kv_cache_dtypes: list[str] = option(
         help="comma-separated eval configurations, DTYPE[:SCALES][+skip=...]; the first is the baseline",
@@ -93,18 +103,25 @@ class BenchOptions(Checked):
     output: str = option("bench_results/bench.json", "where the JSON goes", short="-o")
 
 
-def _tier_variants(engine_kwargs: dict) -> list[tuple[str, dict]]:
-    """(label suffix, kwargs): one engine per dtype, or with ``--kv-offloading-dir`` a RAM and a file tier."""
-    if engine_kwargs.get("kv_offloading_dir") is None:
+def _tier_variants(engine_kwargs: dict, mode: str) -> list[tuple[str, dict]]:
+    """(label suffix, kwargs): one engine per dtype, or with ``--kv-offloading-dir`` a RAM and a file tier;
+    in throughput mode with a tier, first the same engine without one (the tier's cost is the ratio)."""
+    if engine_kwargs.get("kv_offloading_size") is None:
         return [("", engine_kwargs)]
-    return [("+ram", {**engine_kwargs, "kv_offloading_dir": None}), ("+file", engine_kwargs)]
+    off = [("", {**engine_kwargs, "kv_offloading_size": None, "kv_offloading_dir": None})]
+    tiers = [("+ram", {**engine_kwargs, "kv_offloading_dir": None})]
+    if engine_kwargs.get("kv_offloading_dir") is not None:
+        tiers.append(("+file", engine_kwargs))
+    if mode == "throughput":
+        return off + tiers
+    return tiers if len(tiers) > 1 else [("", engine_kwargs)]
 
 
-def _engines(model: str, configs: list[EvalConfig], engine_kwargs: dict) -> dict[str, LLMEngine]:
+def _engines(model: str, configs: list[EvalConfig], engine_kwargs: dict, mode: str) -> dict[str, LLMEngine]:
     engines: dict[str, LLMEngine] = {}
     shared = None
     for cfg in configs:
-        for suffix, variant in _tier_variants(engine_kwargs):
+        for suffix, variant in _tier_variants(engine_kwargs, mode):
             kwargs = {**variant, **cfg.engine_kwargs()}
             engine = LLMEngine(EngineConfig(model=model, **kwargs), preloaded_model=shared)
             shared = engine.model
@@ -262,13 +279,14 @@ def run_bench(model: str, args: BenchOptions, engine_kwargs: dict) -> dict:
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if k in BENCH_ENGINE_FIELDS}
-    engine_kwargs["enable_prefix_caching"] = args.mode == "prefix"  # see BENCH_ENGINE_FIELDS
-    if args.mode != "prefix" and engine_kwargs.get("kv_offloading_size") is not None:
-        raise ValueError("--kv-offloading-size: the offload tier is measured by --mode prefix only")
+    tier = engine_kwargs.get("kv_offloading_size") is not None
+    engine_kwargs["enable_prefix_caching"] = args.mode == "prefix" or tier  # see BENCH_ENGINE_FIELDS
+    if args.mode == "latency" and tier:
+        raise ValueError("--kv-offloading-size: the offload tier is measured by --mode prefix and throughput")
     fits_all = args.fits_all
     if fits_all and args.mode != "throughput":
         raise ValueError("--fits-all: only --mode throughput has a KV budget to lift")
-    engines = _engines(model, configs, engine_kwargs)
+    engines = _engines(model, configs, engine_kwargs, args.mode)
     if fits_all:
         shared = next(iter(engines.values())).model
         engines[configs[0].label + "@fits-all"] = fits_all_engine(model, configs[0], engine_kwargs, args, shared)
@@ -300,7 +318,8 @@ def run_bench(model: str, args: BenchOptions, engine_kwargs: dict) -> dict:
         "env": {
             "torch": torch.__version__,
             "python": platform.python_version(),
-            "cpu": _cpu_name(),
+            "cpu": cpu_info()["name"],
+            "cpu_flags": cpu_info()["flags"],
             "threads": torch.get_num_threads(),
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
@@ -311,13 +330,3 @@ def run_bench(model: str, args: BenchOptions, engine_kwargs: dict) -> dict:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return report
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

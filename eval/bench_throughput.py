@@ -4,6 +4,10 @@
 Output tokens/s are the output tokens of every request over the wall time of the whole run (prefill,
 preemption and recompute included), the number a serving user sees; the preemptions and the peak of
 running sequences say why one dtype beats another.
+
+With an offload tier (``+ram``/``+file`` labels beside the tier-off engine of the same dtype), the prefix
+cache and the tier are emptied before each run, and each run records the blocks the write-through stored
+and skipped; ``ratio_to_tier_off`` compares each tier engine with its tier-off twin.
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ from .configs import EvalConfig
 from .latency import median_ratio, random_prompts, rotate_order, run_requests
 
 __all__ = ["fits_all_engine", "throughput"]
+
+_TIER_COUNTS = ("kv_offload_stored_blocks", "kv_offload_skipped_blocks", "kv_offload_loaded_blocks")
+
+
+def _tier_delta(before: dict, after: dict) -> dict:
+    """What one run did to the tier: blocks stored (write-through), skipped (writer behind) and loaded."""
+    return {k.removeprefix("kv_offload_"): after[k] - before[k] for k in (*_TIER_COUNTS, "kv_offload_store_seconds")}
 
 
 def fits_all_engine(model: str, base: EvalConfig, engine_kwargs: dict, args, shared) -> LLMEngine:
@@ -40,6 +51,10 @@ def throughput(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int])
     for r in range(args.repeats):
         for label in rotate_order(labels, r):
             engine = engines[label]
+            engine.pool.reset_prefix_cache()  # prefix caching is on with a tier: no run may hit an earlier one
+            if engine.offload is not None:
+                engine.offload.clear()  # flushes the previous run's queued writes first, outside the timing
+            tier0 = engine.offload.counters() if engine.offload is not None else None
             preempt0 = engine.scheduler.num_preemptions
             peak = 0
 
@@ -55,6 +70,9 @@ def throughput(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int])
                     "output_tokens_per_s": out_tokens / total,
                     "preemptions": engine.scheduler.num_preemptions - preempt0,
                     "peak_running": peak,
+                    **(
+                        {} if engine.offload is None or tier0 is None else _tier_delta(tier0, engine.offload.counters())
+                    ),
                 }
             )
             engine.pool.check_no_leaks()
@@ -66,10 +84,12 @@ def throughput(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int])
     base = labels[0]
     rates = {k: [x["output_tokens_per_s"] for x in v] for k, v in runs.items()}
     ratio = median_ratio(rates, base)
+    tier_off = {k: k.removesuffix("+ram").removesuffix("+file") for k in labels if engines[k].offload is not None}
     return {
         label: {
             "output_tokens_per_s": statistics.median(rates[label]),
             "ratio_to_" + base: ratio[label],
+            **({"ratio_to_tier_off": median_ratio(rates, tier_off[label])[label]} if label in tier_off else {}),
             "kv_budget_tokens": (engines[label].cache.num_blocks - 1) * engines[label].block_size,
             "kv_bytes_per_token": engines[label].kv_bytes_per_token,
             "runs": runs[label],

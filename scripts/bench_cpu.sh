@@ -27,5 +27,11 @@ TIER_DIR=$(mktemp -d)
 "$QKV" bench smollm2-135m --mode prefix --kv-cache-dtypes bf16,fp8 --prefix-len 2048 --repeats 3 \
   --kv-offloading-size 1 --kv-offloading-backend native --kv-offloading-dir "$TIER_DIR" \
   -o "$OUT/prefix_offload_smollm2.json"
+# the write-through tier's cost (issue 26): the budget row with prefix caching on, each dtype without a tier
+# and with one in RAM and in files, side by side; ratio_to_tier_off per tier engine
+"$QKV" bench smollm2-135m --mode throughput --kv-cache-dtypes bf16,fp8 --num-requests 48 --prompt-len 128 \
+  --output-len 256 --kv-cache-memory 96MiB --max-num-seqs 64 --repeats 3 \
+  --kv-offloading-size 1 --kv-offloading-backend native --kv-offloading-dir "$TIER_DIR" \
+  -o "$OUT/throughput_offload_smollm2.json"
 rm -rf "$TIER_DIR"
 uptime

@@ -38,6 +38,7 @@ import torch
 
 from qkv import LLM, SamplingParams
 from qkv.eval.latency import random_prompts, rotate_order
+from qkv.eval.machine import cpu_info
 from qkv.eval.vllm_engine import VllmEngine, VllmError, default_vllm_python, vllm_fp8_supported
 from qkv.registry import resolve_model
 
@@ -60,21 +61,6 @@ FIELDS = ("requests", "prompt_len", "output_len", "kv_mib")
 # Both engines size requests against this (vLLM refuses a KV budget smaller than one request of the model's
 # own 8,192 positions); the longest workload needs 2,049.
 MAX_MODEL_LEN = 2560
-FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
-
-
-def cpu_info() -> dict:
-    flags: set[str] = set()
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return {"name": name, "flags": sorted(f for f in FLAGS if f in flags), "cores": os.cpu_count()}
 
 
 class VllmRunner:

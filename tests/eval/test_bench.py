@@ -22,25 +22,14 @@ def bench(model, tmp_path, *argv):
     return json.loads(out.read_text())
 
 
+# 6 requests of 40 + 10 tokens at an 80 KiB budget: bf16 must preempt, fp8 holds them all
+BUDGET = ["--mode", "throughput", "--num-requests", "6", "--prompt-len", "40", "--output-len", "10"]
+BUDGET += ["--kv-cache-memory", "80KiB"]
+
+
 def test_throughput_at_a_fixed_budget(model, tmp_path):
     r = bench(
-        model,
-        tmp_path,
-        "--mode",
-        "throughput",
-        "--kv-cache-dtypes",
-        "bf16,fp8,int8_per_token_head",
-        "--num-requests",
-        "6",
-        "--prompt-len",
-        "40",
-        "--output-len",
-        "10",
-        "--kv-cache-memory",
-        "80KiB",
-        "--repeats",
-        "1",
-        "--fits-all",
+        model, tmp_path, *BUDGET, "--kv-cache-dtypes", "bf16,fp8,int8_per_token_head", "--repeats", "1", "--fits-all"
     )
     res = r["results"]
     ceiling = res.pop("bf16@fits-all")
@@ -185,6 +174,23 @@ def test_prefix_tier_hit_ttft(model, tmp_path):
         assert (row["tier_cached_tokens"], row["tier_hit_tokens"], row["tier_bytes_read"]) == (96, 96, 6 * block_bytes)
         assert (run["kv_offload_loaded_blocks"], run["same_token_as_device_hit"]) == (6, True)
         assert row["tier_hit_ttft_ms"] > 0 and 0 < row["tier_load_share_of_ttft"] < 1
+
+
+def test_throughput_with_the_tier_against_the_same_engine_without_it(model, tmp_path):
+    tier = ["--kv-offloading-size", "0.01", "--kv-offloading-dir", str(tmp_path / "tier")]
+    r = bench(model, tmp_path, *BUDGET, "--kv-cache-dtypes", "bf16,fp8", "--repeats", "2", *tier)
+    res = r["results"]
+    assert list(res) == ["bf16", "bf16+ram", "bf16+file", "fp8", "fp8+ram", "fp8+file"]
+    assert r["engine"]["enable_prefix_caching"] is True and "cpu_flags" in r["env"]
+    assert "ratio_to_tier_off" not in res["bf16"] and "stored_blocks" not in res["bf16"]["runs"][0]
+    for label in ("bf16+ram", "bf16+file", "fp8+ram", "fp8+file"):
+        assert res[label]["ratio_to_tier_off"] > 0
+        for run in res[label]["runs"]:  # the tier is emptied before each run: every run stores the same blocks
+            # 6 requests x 49 computed tokens (40 + 10, the last never fed back): 3 full blocks each
+            assert (run["stored_blocks"], run["skipped_blocks"]) == (18, 0)
+    # the fp8 pool holds all 6 requests (no preemption, so nothing to reload); bf16 preempts and reloads
+    assert [run["loaded_blocks"] for run in res["fp8+ram"]["runs"]] == [0, 0]
+    assert res["bf16+ram"]["runs"][0]["preemptions"] > 0
 
 
 def test_bad_dtype_is_a_clear_error(model, tmp_path, capsys):

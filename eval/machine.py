@@ -1,0 +1,28 @@
+"""What machine a benchmark ran on: the CPU's name, the instruction-set flags that change its arithmetic
+and speed, and its core count. Every benchmark JSON records it, because machines of one kind differ
+(an AMD EPYC with AVX2 only, an Intel Xeon with AVX-512 and AMX) and their times do not compare."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+__all__ = ["FLAGS", "cpu_info"]
+
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_info() -> dict:
+    """``{"name", "flags", "cores"}``, with ``flags`` the members of :data:`FLAGS` this CPU reports."""
+    flags: set[str] = set()
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return {"name": name, "flags": sorted(f for f in FLAGS if f in flags), "cores": os.cpu_count()}
