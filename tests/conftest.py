@@ -63,3 +63,22 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "slow" in item.keywords or "compile" in item.keywords:
                 item.add_marker(skip)
+
+
+_RECORDS = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def record(request):
+    """``record("line")``: a line for the end of the run's summary (CI's log shows it; captured prints are
+    shown only for failures). For counts a must-show asks to see: fuzz cases, kills, scrapes."""
+    lines = request.config.stash.setdefault(_RECORDS, [])
+    return lambda line: lines.append(f"{request.node.nodeid}: {line}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = config.stash.get(_RECORDS, [])
+    if lines:
+        terminalreporter.section("recorded")
+        for line in lines:
+            terminalreporter.write_line(line)

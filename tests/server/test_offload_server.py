@@ -148,7 +148,7 @@ def kill_while_writing(srv: ServerProcess, before: float) -> bool:
     return queued
 
 
-def test_kill_9_while_writing_never_serves_a_bad_entry(model, tmp_path):
+def test_kill_9_while_writing_never_serves_a_bad_entry(model, tmp_path, record):
     tier, ref_dir = tmp_path / "tier", tmp_path / "recomputed"
     rounds = crash_prompts(KILLS + 1)
     flat = [p for r in rounds for p in r]
@@ -180,4 +180,6 @@ def test_kill_9_while_writing_never_serves_a_bad_entry(model, tmp_path):
             leftover_tmp += sum(1 for p in tier.iterdir() if p.name.endswith(".tmp"))
         finally:
             srv.stop()
-    print(f"{KILLS} kills in a row: {queued_kills} with block writes queued, {leftover_tmp} temporary files left")
+    record(
+        f"{KILLS} kills in a row passed: {queued_kills} with block writes queued, {leftover_tmp} temporary files left"
+    )

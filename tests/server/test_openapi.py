@@ -80,7 +80,7 @@ def _schemathesis(url: str, model: str, report: Path) -> subprocess.CompletedPro
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=report)
 
 
-def test_schemathesis_finds_no_failure_in_any_operation(chat_model, tmp_path):
+def test_schemathesis_finds_no_failure_in_any_operation(chat_model, tmp_path, record):
     srv = ServerProcess(model=chat_model, engine={**ENGINE, "max_num_seqs": 4}, api_key=KEY)
     try:
         run = _schemathesis(srv.url, chat_model, tmp_path)
@@ -91,6 +91,7 @@ def test_schemathesis_finds_no_failure_in_any_operation(chat_model, tmp_path):
         generated, passed = map(int, re.search(r"(\d+) generated, (\d+) passed", summary).groups())
         assert generated == passed > 6 * MAX_EXAMPLES
         assert "No issues found" in summary
+        record(f"schemathesis {run.stdout.split()[1]}: {generated} cases generated, {passed} passed, no issues")
         # the server took it all and is intact: healthy, and no request still holds a KV block
         assert srv.client().get("/health").status_code == 200
         kv = srv.wait_idle()

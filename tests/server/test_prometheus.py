@@ -110,7 +110,7 @@ def send_load(srv: ServerProcess) -> None:
         assert out.usage.completion_tokens == MAX_TOKENS
 
 
-def test_a_real_prometheus_scrapes_the_load_it_was_sent(tiny_dir, tmp_path):
+def test_a_real_prometheus_scrapes_the_load_it_was_sent(tiny_dir, tmp_path, record):
     srv = ServerProcess(model=str(tiny_dir("llama")), engine=ENGINE, extra=TIER)
     prom = Prometheus(f"127.0.0.1:{srv.port}", tmp_path)
     try:
@@ -157,7 +157,8 @@ def test_a_real_prometheus_scrapes_the_load_it_was_sent(tiny_dir, tmp_path):
         assert len(queries) >= 15 and used <= names, sorted(used - names)
         for q in queries:  # a rate needs two samples of a series, which the next scrapes bring
             prom.wait(lambda q=q: bool(prom.api("query", query=q)["result"]), f"data for {q}")
-        print(f"Prometheus {prom.url}: {len(names)} series names, {len(queries)} dashboard queries answered")
+        version = prom.api("status/buildinfo")["version"]
+        record(f"Prometheus {version}: {len(names)} metric names scraped, {len(queries)} dashboard queries answered")
     finally:
         prom.stop()
         srv.stop()
