@@ -69,6 +69,7 @@ def _schemathesis(url: str, model: str, report: Path) -> subprocess.CompletedPro
     cli = Path(sys.executable).with_name("schemathesis")
     cmd = [str(cli), "run", f"{url}/openapi.json", "-H", f"Authorization: Bearer {KEY}", "--checks", "all"]
     cmd += ["--mode", "all", "--max-examples", str(MAX_EXAMPLES), "--seed", "0", "--no-color"]
+    cmd += ["--request-timeout", "120"]  # a batch of prompts with n samples each is seconds on a slow machine
     cmd += ["--report", "junit", "--report-dir", str(report)]
     env = {
         **os.environ,
