@@ -298,6 +298,7 @@ def run_bench(model: str, args: BenchOptions, engine_kwargs: dict) -> dict:
         run_requests(engine, warm, 2)
     mode = {"throughput": throughput, "latency": _latency, "prefix": _prefix}[args.mode]
     results = mode(engines, args, first.vocab_size, avoid)
+    cpu = cpu_info()
     report = {
         "mode": args.mode,
         "model": model,
@@ -318,8 +319,8 @@ def run_bench(model: str, args: BenchOptions, engine_kwargs: dict) -> dict:
         "env": {
             "torch": torch.__version__,
             "python": platform.python_version(),
-            "cpu": cpu_info()["name"],
-            "cpu_flags": cpu_info()["flags"],
+            "cpu": cpu["name"],
+            "cpu_flags": cpu["flags"],
             "threads": torch.get_num_threads(),
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),

@@ -52,9 +52,10 @@ def throughput(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int])
         for label in rotate_order(labels, r):
             engine = engines[label]
             engine.pool.reset_prefix_cache()  # prefix caching is on with a tier: no run may hit an earlier one
-            if engine.offload is not None:
-                engine.offload.clear()  # flushes the previous run's queued writes first, outside the timing
-            tier0 = engine.offload.counters() if engine.offload is not None else None
+            tier = engine.offload
+            if tier is not None:
+                tier.clear()  # flushes the previous run's queued writes first, outside the timing
+            tier0 = tier.counters() if tier is not None else None
             preempt0 = engine.scheduler.num_preemptions
             peak = 0
 
@@ -70,9 +71,7 @@ def throughput(engines: dict[str, LLMEngine], args, vocab: int, avoid: set[int])
                     "output_tokens_per_s": out_tokens / total,
                     "preemptions": engine.scheduler.num_preemptions - preempt0,
                     "peak_running": peak,
-                    **(
-                        {} if engine.offload is None or tier0 is None else _tier_delta(tier0, engine.offload.counters())
-                    ),
+                    **({} if tier is None or tier0 is None else _tier_delta(tier0, tier.counters())),
                 }
             )
             engine.pool.check_no_leaks()

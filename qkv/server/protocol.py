@@ -289,8 +289,6 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict]:
-        if not self.messages:
-            raise APIError(400, "messages must contain at least one message", param="messages")
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
     @property

@@ -143,22 +143,27 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name, window, rotate, channel", CASES)
-def test_attention_matches_reference(kernels, name, window, rotate, channel):
-    heads, group, dim = 2, 3, 32
-    q_lens, seq_lens = [1, 5, 40, 1, 33], [50, 5, 60, 17, 70]
-    sc = paged_scenario(
+def _mixed_step(name, window, rotate, channel, q_lens, seq_lens):
+    """A step mixing decodes, short and long prefill chunks: 2 kv heads, 3 queries each, head_dim 32."""
+    heads, group = 2, 3
+    granularity = "channel" if channel else "head"
+    return paged_scenario(
         name,
         seq_lens,
         q_lens,
         hq=heads * group,
         hkv=heads,
-        d=dim,
-        granularity="channel" if channel else "head",
+        d=32,
+        granularity=granularity,
         rotate=rotate,
         window=window,
         block_size=BS,
     )
+
+
+@pytest.mark.parametrize("name, window, rotate, channel", CASES)
+def test_attention_matches_reference(kernels, name, window, rotate, channel):
+    sc = _mixed_step(name, window, rotate, channel, q_lens=[1, 5, 40, 1, 33], seq_lens=[50, 5, 60, 17, 70])
     for qdt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         q = sc.query.to(qdt)
         want = ref.attend(sc.layer, q, sc.meta, sc.sm_scale)
@@ -177,20 +182,7 @@ def test_dense_prefill_rows_equal_the_reference_bit_for_bit(kernels, dense, name
     """dense_prefill: chunks of >= DENSE_PREFILL_ROWS queries get their K/V dequantized by qkv_gather_kv, which
     equals the reference's dequantization exactly, then the reference's own SDPA call: the same bits. The
     other rows of the step (a decode, short chunks, a sequence without queries) stay on the fused kernel."""
-    heads, group, dim = 2, 3, 32
-    q_lens, seq_lens = [1, 5, 40, 1, 33, 0], [50, 5, 60, 17, 70, 9]
-    sc = paged_scenario(
-        name,
-        seq_lens,
-        q_lens,
-        hq=heads * group,
-        hkv=heads,
-        d=dim,
-        granularity="channel" if channel else "head",
-        rotate=rotate,
-        window=window,
-        block_size=BS,
-    )
+    sc = _mixed_step(name, window, rotate, channel, q_lens=[1, 5, 40, 1, 33, 0], seq_lens=[50, 5, 60, 17, 70, 9])
     long_rows = torch.cat([torch.arange(6, 46), torch.arange(47, 80)])  # sequences 2 and 4
     short_rows = torch.tensor([0, 1, 2, 3, 4, 5, 46])
     for qdt in (torch.float32, torch.bfloat16):

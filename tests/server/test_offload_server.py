@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 from support.offload import ENGINE, NUM_PREFIX_BLOCKS, PROMPT, TIER_GIB, chain, long_context_copy
-from support.server import OfflineReference, ServerProcess
+from support.server import OfflineReference, ServerProcess, family_sum
 
 from qkv.offload_files import SUFFIX
 
@@ -128,10 +128,6 @@ def send_all(srv: ServerProcess, prompts: list[list[int]]) -> None:
         threading.Thread(target=one, args=(p,), daemon=True).start()
 
 
-def summed(metrics: dict[str, float], name: str) -> float:
-    return sum(v for k, v in metrics.items() if k.partition("{")[0] == name)
-
-
 def kill_while_writing(srv: ServerProcess, before: float) -> bool:
     """SIGKILL once a step of this round has queued block writes; True if the last scrape saw them queued."""
     queued = False
@@ -140,8 +136,8 @@ def kill_while_writing(srv: ServerProcess, before: float) -> bool:
             m = srv.metrics()
         except httpx.HTTPError:
             break
-        queued = summed(m, "qkv:kv_offload_write_queue_bytes") > 0
-        if queued or summed(m, "qkv:kv_offload_stored_blocks_total") > before:
+        queued = family_sum(m, "qkv:kv_offload_write_queue_bytes") > 0
+        if queued or family_sum(m, "qkv:kv_offload_stored_blocks_total") > before:
             break
     srv.proc.kill()
     srv.proc.wait(30)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.server import ServerProcess, free_port
+from support.server import ServerProcess, family_sum, free_port
 
 DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "qkv-dashboard.json"
 NAME = "tiny"
@@ -93,12 +93,6 @@ def dashboard_queries(model: str) -> list[str]:
     return [e.replace("$model_name", model).replace("$__rate_interval", "1m") for e in exprs]
 
 
-def server_value(metrics: dict[str, float], family: str, labels: str) -> float:
-    """The value of ``family``'s series whose labels include ``labels``, from the server's own /metrics."""
-    (value,) = [v for k, v in metrics.items() if k.partition("{")[0] == family and labels in k]
-    return value
-
-
 def send_load(srv: ServerProcess) -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 380) for _ in range(PROMPT_LEN)] for _ in range(PROMPTS)]
@@ -119,24 +113,24 @@ def test_a_real_prometheus_scrapes_the_load_it_was_sent(tiny_dir, tmp_path, reco
         server_side = srv.metrics()  # the load is over: these are the final values
         requests = 2 * PROMPTS
         expected = [  # (family, labels besides model_name, value)
-            ("qkv:request_success_total", 'finished_reason="length"', requests),
-            ("qkv:generation_tokens_total", "", requests * MAX_TOKENS),
-            ("qkv:prefix_cache_queries_total", "", requests * PROMPT_LEN),
-            ("qkv:prefix_cache_hits_total", "", HITS),
-            ("qkv:prompt_tokens_total", "", requests * PROMPT_LEN - HITS),
-            ("qkv:external_prefix_cache_queries_total", "", requests * PROMPT_LEN),
-            ("qkv:external_prefix_cache_hits_total", "", 0),  # the device pool held every repeated block
-            ("qkv:kv_offload_stored_blocks_total", "", PROMPTS * PROMPT_LEN // 16),  # write-through, once a block
-            ("qkv:kv_offload_skipped_blocks_total", "", 0),
-            ("qkv:kv_offload_bad_entries_total", "", 0),
-            ("qkv:e2e_request_latency_seconds_count", "", requests),
-            ("qkv:kv_cache_usage_perc", "", 0.0),  # idle: no request holds a block
-            ("qkv:num_requests_running", "", 0),
+            ("qkv:request_success_total", {"finished_reason": "length"}, requests),
+            ("qkv:generation_tokens_total", {}, requests * MAX_TOKENS),
+            ("qkv:prefix_cache_queries_total", {}, requests * PROMPT_LEN),
+            ("qkv:prefix_cache_hits_total", {}, HITS),
+            ("qkv:prompt_tokens_total", {}, requests * PROMPT_LEN - HITS),
+            ("qkv:external_prefix_cache_queries_total", {}, requests * PROMPT_LEN),
+            ("qkv:external_prefix_cache_hits_total", {}, 0),  # the device pool held every repeated block
+            ("qkv:kv_offload_stored_blocks_total", {}, PROMPTS * PROMPT_LEN // 16),  # write-through, once a block
+            ("qkv:kv_offload_skipped_blocks_total", {}, 0),
+            ("qkv:kv_offload_bad_entries_total", {}, 0),
+            ("qkv:e2e_request_latency_seconds_count", {}, requests),
+            ("qkv:kv_cache_usage_perc", {}, 0.0),  # idle: no request holds a block
+            ("qkv:num_requests_running", {}, 0),
         ]
         for family, labels, want in expected:
-            selector = f'{family}{{model_name="{NAME}"{"," + labels if labels else ""}}}'
+            selector = family + "{" + ",".join(f'{k}="{v}"' for k, v in {"model_name": NAME, **labels}.items()) + "}"
             prom.wait(lambda s=selector, w=want: prom.value(s) == w, f"{selector} == {want}")
-            assert server_value(server_side, family, labels) == want, family
+            assert family_sum(server_side, family, **labels) == want, family
         hit_rate = f'sum(qkv:prefix_cache_hits_total{{model_name="{NAME}"}})'
         hit_rate += f' / sum(qkv:prefix_cache_queries_total{{model_name="{NAME}"}})'
         assert prom.value(hit_rate) == HITS / (requests * PROMPT_LEN) == 0.375

@@ -126,12 +126,7 @@ class ServerProcess:
 
     def metric(self, name: str, **labels) -> float:
         """Sum of the series of family ``name`` whose labels include ``labels``."""
-        total = 0.0
-        for series, value in self.metrics().items():
-            base, _, lab = series.partition("{")
-            if base == name and all(f'{k}="{v}"' in lab for k, v in labels.items()):
-                total += value
-        return total
+        return family_sum(self.metrics(), name, **labels)
 
     def kv(self) -> dict:
         return httpx.get(self.url + "/debug/kv", headers=self.headers, timeout=30).json()
@@ -237,6 +232,16 @@ async def running_app(path: str, engine: dict | None = None, **app_kw):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=600) as client:
             yield client, async_engine
+
+
+def family_sum(metrics: dict[str, float], name: str, **labels) -> float:
+    """Sum of the series of family ``name`` in a :func:`parse_metrics` dict whose labels include ``labels``."""
+    total = 0.0
+    for series, value in metrics.items():
+        base, _, lab = series.partition("{")
+        if base == name and all(f'{k}="{v}"' in lab for k, v in labels.items()):
+            total += value
+    return total
 
 
 def parse_metrics(text: str) -> dict[str, float]:
