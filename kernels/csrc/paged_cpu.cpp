@@ -222,8 +222,10 @@ static inline f32x8 as_f32(u32x8 b) { f32x8 f; std::memcpy(&f, &b, 32); return f
 static inline float prescale(int32_t dtype) { return dtype == E4M3 ? 0x1p8f : 1.0f; }
 
 // Decode 8 stored elements to fp32, exact for every format; e4m3 values come out divided by prescale().
-static inline f32x8 decode8(const void* base, int64_t i, int32_t dtype) {
-  switch (dtype) {
+// A template, so that the loops over a block's rows hold no per-element switch on the dtype.
+template <int32_t DT>
+static inline f32x8 decode8(const void* base, int64_t i) {
+  switch (DT) {
     case F32: return loadv(static_cast<const float*>(base) + i);
     case BF16: return as_f32(widen_u16(static_cast<const uint16_t*>(base) + i) << 16);
     case F16: {  // fp16 bits into fp32 position times 2^112, exponent 31 is inf/NaN (as for e5m2 below)
@@ -269,6 +271,17 @@ static inline f32x8 decode8(const void* base, int64_t i, int32_t dtype) {
     }
   }
 }
+
+// Run CALL, which names the template argument DT, with DT the runtime dtype code.
+#define QKV_DISPATCH_DTYPE(dtype, CALL)  \
+  switch (dtype) {                       \
+    case F32: { constexpr int32_t DT = F32; CALL; } break;   \
+    case BF16: { constexpr int32_t DT = BF16; CALL; } break; \
+    case F16: { constexpr int32_t DT = F16; CALL; } break;   \
+    case E4M3: { constexpr int32_t DT = E4M3; CALL; } break; \
+    case E5M2: { constexpr int32_t DT = E5M2; CALL; } break; \
+    default: { constexpr int32_t DT = I8; CALL; } break;     \
+  }
 
 // x @ H along n (a power of two): butterflies of stride 1, 2, 4, ... then one multiply,
 // the reference's exact operation order.
@@ -388,20 +401,29 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
 
 // ------------------------------------------------------------------ attention --
 // Dequantize one cached row (D values of kv head h at a slot) into fp32.
-static inline void load_cached_row(const CacheDesc& c, int64_t block, int kv, int64_t off, int h,
-                                   float* dst) {
+template <int32_t DT>
+static inline void load_cached_row(const CacheDesc& c, int64_t block, int kv, int64_t off, int h, float* dst) {
   const int64_t base = block * c.stride_block + kv * c.stride_kv + off * c.stride_slot + h * c.stride_head;
-  float s = prescale(c.dtype);  // power of two: s * scale is exact, so folding it in changes no bit
+  float s = prescale(DT);  // power of two: s * scale is exact, so folding it in changes no bit
   if (c.scale_mode == SCALE_DYNAMIC)
     s *= c.scale_cache[block * c.s_stride_block + kv * c.s_stride_kv + off * c.s_stride_slot + h];
   else if (c.scale_mode == SCALE_HEAD)
     s *= (kv == 0 ? c.k_scale : c.v_scale)[h];
-  if (s != 1.0f) {
-    const f32x8 sv = splat(s);
-    for (int d = 0; d < c.head_dim; d += 8) storev(dst + d, decode8(c.data, base + d, c.dtype) * sv);
-  } else {
-    for (int d = 0; d < c.head_dim; d += 8) storev(dst + d, decode8(c.data, base + d, c.dtype));
-  }
+  const f32x8 sv = splat(s);  // s == 1 multiplies exactly
+  for (int d = 0; d < c.head_dim; d += 8) storev(dst + d, decode8<DT>(c.data, base + d) * sv);
+}
+
+// The K and V rows of slots [j0, j1) (block-relative) and heads [h0, h1) into the item's tiles, laid out
+// [head - h0][slot][D] with TK slots per head.
+template <int32_t DT>
+static void load_block(const CacheDesc& c, int64_t block, int64_t j0, int64_t j1, int h0, int h1, int TK,
+                       float* kbuf, float* vbuf) {
+  const int D = c.head_dim;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int h = h0; h < h1; ++h) {
+      load_cached_row<DT>(c, block, 0, j, h, kbuf + ((size_t)(h - h0) * TK + j) * D);
+      load_cached_row<DT>(c, block, 1, j, h, vbuf + ((size_t)(h - h0) * TK + j) * D);
+    }
 }
 
 // Lane k of the result is the sum of the 8 lanes of v[k], always added in the same tree:
@@ -425,16 +447,33 @@ static inline float hmax(f32x8 v) {
 }
 
 // Scores of keys g .. g+7 of the tile for one query row: 8 independent dot products over D, then one
-// batched horizontal reduction. The order of every addition is fixed.
-static inline f32x8 scores8(const float* q, const float* kbuf, int D) {
+// batched horizontal reduction. The order of every addition is fixed. NC = D / 8 when known at compile time
+// (the query row then stays in registers across the keys), 0 otherwise.
+template <int NC>
+static inline f32x8 scores8(const f32x8* qv, const float* q, const float* kbuf, int D) {
   f32x8 acc[8];
+#pragma GCC unroll 8
   for (int k = 0; k < 8; ++k) {
-    const float* kr = kbuf + (size_t)k * D;
-    f32x8 a = loadv(q) * loadv(kr);
-    for (int d = 8; d < D; d += 8) a += loadv(q + d) * loadv(kr + d);
-    acc[k] = a;
+    if constexpr (NC > 0) {
+      const float* kr = kbuf + (size_t)k * 8 * NC;
+      f32x8 a = qv[0] * loadv(kr);
+#pragma GCC unroll 32
+      for (int c = 1; c < NC; ++c) a += qv[c] * loadv(kr + 8 * c);
+      acc[k] = a;
+    } else {
+      const float* kr = kbuf + (size_t)k * D;
+      f32x8 a = loadv(q) * loadv(kr);
+      for (int d = 8; d < D; d += 8) a += loadv(q + d) * loadv(kr + d);
+      acc[k] = a;
+    }
   }
   return reduce8(acc);
+}
+
+// Lanes of keys g .. g+7 outside [a0, a1) set to `fill`.
+static inline f32x8 mask_keys(f32x8 v, int g, int a0, int a1, float fill) {
+  const i32x8 j = (i32x8){0, 1, 2, 3, 4, 5, 6, 7} + g;
+  return (j >= a0 && j < a1) ? v : splat(fill);
 }
 
 // o[0:8*NC] = o * alpha + sum_j p[j] * v[j] for j in [a0, a1), accumulators kept in registers.
@@ -478,28 +517,25 @@ static_assert(sizeof(RowState) == 24, "RowState is stored in the float work buff
 }  // namespace
 
 // Online-softmax update of one query row with the keys [a0, a1) of the current tile (tile-relative).
-static void attend_row(const float* q, float* o, RowState& rs, const float* kbuf, const float* vbuf,
-                       int a0, int a1, int tile_keys, int D) {
+template <int NC>
+static void attend_row(const float* q, float* o, RowState& rs, const float* kbuf, const float* vbuf, int a0, int a1,
+                       int D) {
   const float ninf = -std::numeric_limits<float>::infinity();
   float s[64], p[64];
-  float mb = ninf;
+  f32x8 qv[NC > 0 ? NC : 1];
+  if constexpr (NC > 0)
+    for (int c = 0; c < NC; ++c) qv[c] = loadv(q + 8 * c);
+  f32x8 mv = splat(ninf);
   for (int g = (a0 / 8) * 8; g < a1; g += 8) {
-    f32x8 sv = scores8(q, kbuf + (size_t)g * D, D);
-    for (int k = 0; k < 8; ++k) {  // keys outside [a0, a1) take no part
-      const int j = g + k;
-      if (j < a0 || j >= a1) sv[k] = ninf;
-    }
+    const f32x8 sv = mask_keys(scores8<NC>(qv, q, kbuf + (size_t)g * D, D), g, a0, a1, ninf);
     storev(s + g, sv);
-    mb = std::max(mb, hmax(sv));
+    mv = vmax(mv, sv);
   }
-  (void)tile_keys;
-  const float m_new = std::max(rs.m, mb);
+  const float m_new = std::max(rs.m, hmax(mv));
   const float alpha = rs.m == ninf ? 0.0f : vexp(splat(rs.m - m_new))[0];
   f32x8 lsum = splat(0.0f);
   for (int g = (a0 / 8) * 8; g < a1; g += 8) {
-    f32x8 e = vexp(loadv(s + g) - splat(m_new));
-    for (int k = 0; k < 8; ++k)
-      if (g + k < a0 || g + k >= a1) e[k] = 0.0f;
+    const f32x8 e = mask_keys(vexp(loadv(s + g) - splat(m_new)), g, a0, a1, 0.0f);
     storev(p + g, e);
     lsum += e;
   }
@@ -519,6 +555,16 @@ static inline void prefetch_block(const CacheDesc& c, int64_t block, int h0, int
       const char* row = base + (block * c.stride_block + kv * c.stride_kv + j * c.stride_slot + h0 * c.stride_head) * esize;
       for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
     }
+}
+
+// attend_row for the head sizes models use (query row in registers), and for any other multiple of 8.
+static inline void attend_row_d(const float* q, float* o, RowState& rs, const float* kbuf, const float* vbuf,
+                                int a0, int a1, int D) {
+  switch (D) {
+    case 64: attend_row<8>(q, o, rs, kbuf, vbuf, a0, a1, D); break;
+    case 128: attend_row<16>(q, o, rs, kbuf, vbuf, a0, a1, D); break;
+    default: attend_row<0>(q, o, rs, kbuf, vbuf, a0, a1, D); break;
+  }
 }
 
 // One work item: query tokens [tok0, tok0 + ntok) of sequence s, kv heads [h0, h1) and their query heads.
@@ -563,17 +609,14 @@ static void attend_item(const AttnArgs& a, int s, int64_t tok0, int64_t ntok, in
     const int64_t block = table[b], start = b * BS;
     if ((b + 1) * BS < hi) prefetch_block(c, table[b + 1], h0, h1);
     const int64_t j0 = std::max(start, lo), j1 = std::min(start + BS, hi);
-    for (int64_t j = j0; j < j1; ++j)  // only slots some row of the item can see are read
-      for (int h = h0; h < h1; ++h) {
-        load_cached_row(c, block, 0, j - start, h, kbuf + ((size_t)(h - h0) * TK + (j - start)) * D);
-        load_cached_row(c, block, 1, j - start, h, vbuf + ((size_t)(h - h0) * TK + (j - start)) * D);
-      }
+    // only slots some row of the item can see are read
+    QKV_DISPATCH_DTYPE(c.dtype, load_block<DT>(c, block, j0 - start, j1 - start, h0, h1, TK, kbuf, vbuf))
     for (int r = 0; r < rows; ++r) {
       const int64_t a0 = std::max(start, st[r].lo), a1 = std::min(start + BS, st[r].hi);
       const size_t tile = (size_t)((r % (NH * G)) / G) * TK * D;
       if (a0 < a1)
-        attend_row(qbuf + (size_t)r * D, acc + (size_t)r * D, st[r], kbuf + tile, vbuf + tile, (int)(a0 - start),
-                   (int)(a1 - start), TK, D);
+        attend_row_d(qbuf + (size_t)r * D, acc + (size_t)r * D, st[r], kbuf + tile, vbuf + tile, (int)(a0 - start),
+                     (int)(a1 - start), D);
     }
   }
   for (int r = 0; r < rows; ++r) {
@@ -640,7 +683,7 @@ extern "C" int qkv_gather_kv(const GatherArgs* a) {
     float row[512];
     for (int64_t j = j0; j < j1; ++j)
       for (int h = 0; h < H; ++h) {
-        load_cached_row(c, block, kv, j - b * BS, h, row);
+        QKV_DISPATCH_DTYPE(c.dtype, load_cached_row<DT>(c, block, kv, j - b * BS, h, row))
         if (chan)
           for (int d = 0; d < D; ++d) row[d] *= chan[(int64_t)h * D + d];
         const int64_t o = (((int64_t)kv * H + h) * L + (j - a->start)) * D;
