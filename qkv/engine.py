@@ -336,7 +336,7 @@ class LLMEngine:
             self.scheduler.add_forks(children)
             seqs += children
         rows = row.expand(len(seqs), -1)
-        tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample(rows, [s.params for s in seqs], [s.generator for s in seqs], [step.greedy_token(i)] * len(seqs))
         for token in tokens:
             if isinstance(token, Exception):  # the sampler's error for this row
                 raise token

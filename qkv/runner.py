@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -62,6 +63,19 @@ class StepLogits:
     def sample_row(self, item: int) -> torch.Tensor | None:
         row = self.inputs.sample_rows[item]
         return None if row is None else self.logits[row]
+
+    @cached_property
+    def _argmax(self) -> dict[int, int]:
+        rows = [r for r in self.inputs.sample_rows if r is not None]  # not the prompt-logprob rows
+        picks = self.logits[rows].to(torch.float32).argmax(dim=-1).tolist() if rows else []
+        return dict(zip(rows, picks))
+
+    def greedy_token(self, item: int) -> int:
+        """The fp32 argmax of ``item``'s sample row, the sampler's greedy pick: computed for all the step's sample
+        rows in one call, since one call per request costs a thread-pool dispatch per request."""
+        row = self.inputs.sample_rows[item]
+        assert row is not None, "the item does not sample this step"
+        return self._argmax[row]
 
 
 def build_step_inputs(sched: SchedulerOutput, block_size: int) -> StepInputs:

@@ -173,7 +173,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    greedy: list[int] | None = None,
 ) -> list[int | SamplingError]:
     """Pick one token per row of ``logits`` ([N, vocab]).
 
@@ -182,11 +185,12 @@ def sample(
     small that ``logits / temperature`` leaves the float range is computed
     relative to the largest logit (and below fp32's range, is greedy). A row that still fails (NaN logits) yields a
     :class:`SamplingError` in its place, so the engine can abort that request
-    alone and keep the batch going.
+    alone and keep the batch going. ``greedy``: the rows' argmax, when the caller already has it.
     """
     logits = logits.to(torch.float32)
     out: list[int | SamplingError] = []
-    greedy = logits.argmax(dim=-1).tolist()
+    if greedy is None:
+        greedy = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
         try:
             if p.greedy or p.temperature < _FP32_TINY:  # below fp32's range the limit is greedy
