@@ -1,0 +1,125 @@
+"""The fused CPU decode-attention kernel at SmolLM2's shapes, this checkout's against a baseline commit's.
+
+One decode step of 16 sequences at 1,050 tokens of context (9 query and 3 kv heads of 64, bf16 queries, blocks
+of 16, per-head static scales where the dtype has them) as 30 calls, the model's layer count: ``warm`` calls one
+layer's cache 30 times, ``cold`` walks 60 distinct copies of it, so the pool comes from memory as in the
+engine. The two builds are interleaved, repeat by repeat; the JSON records every run, the CPU flags, the
+threads and the load average.
+
+    python scripts/bench_cpu_attention.py --baseline 1a6b09a -o eval/results/bench/cpu_attention_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the kernel tests' scenario builder: a shuffled pool, real writes
+
+from support.paged import paged_scenario  # noqa: E402
+
+from qkv.eval.machine import cpu_info  # noqa: E402
+from qkv.kernels.cpu_attention import CpuKernels  # noqa: E402
+from qkv.kernels.cpu_build import _torch_gomp, cxxflags, find_compiler  # noqa: E402
+from qkv.registry import default_cache_dir  # noqa: E402
+
+DTYPES = ("bfloat16", "fp8_e4m3", "int8", "int8_per_token_head")
+SEQS, CONTEXT, LAYERS, COLD_COPIES = 16, 1050, 30, 60
+
+
+def build_at(rev: str, out_dir: Path) -> CpuKernels:
+    """The kernel source of commit ``rev``, compiled with this checkout's flags (the C interface is the same)."""
+    src = out_dir / "paged_cpu.cpp"
+    src.write_text(
+        subprocess.run(
+            ["git", "show", f"{rev}:kernels/csrc/paged_cpu.cpp"], cwd=ROOT, check=True, capture_output=True, text=True
+        ).stdout
+    )
+    lib = out_dir / "baseline.so"
+    subprocess.run([find_compiler(), *cxxflags(), str(src), "-o", str(lib), *_torch_gomp()], check=True)
+    return CpuKernels(ctypes.CDLL(str(lib)))
+
+
+def per_step_ms(kernels: CpuKernels, layers: list, sc, calls: int) -> float:
+    """Milliseconds for ``LAYERS`` calls, walking ``layers`` round robin."""
+    t0 = time.perf_counter()
+    for i in range(calls):
+        kernels.attend(layers[i % len(layers)], sc.query, sc.meta, sc.sm_scale)
+    return 1000 * (time.perf_counter() - t0) * LAYERS / calls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline", required=True, help="the commit whose kernel to compare with")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("-o", "--output", type=Path, required=True)
+    args = ap.parse_args()
+    report: dict = {
+        "shape": {"seqs": SEQS, "context": CONTEXT, "q_heads": 9, "kv_heads": 3, "head_dim": 64, "layers": LAYERS},
+        "env": {
+            "cpu": cpu_info(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average_before": os.getloadavg(),
+            "head": subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip(),
+            "baseline": args.baseline,
+        },
+        "results": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {
+            "baseline": build_at(args.baseline, Path(tmp)),
+            "head": CpuKernels.build(default_cache_dir() / "kernels"),
+        }
+        for name in DTYPES:
+            sc = paged_scenario(name, [CONTEXT] * SEQS, [1] * SEQS, hq=9, hkv=3, d=64, q_dtype=torch.bfloat16, seed=1)
+            copies = [
+                replace(
+                    sc.layer,
+                    kv=sc.layer.kv.clone(),
+                    scale_cache=None if sc.layer.scale_cache is None else sc.layer.scale_cache.clone(),
+                )
+                for _ in range(COLD_COPIES)
+            ]
+            for k in builds.values():  # warm-up, and both builds must agree to bf16 rounding
+                torch.testing.assert_close(
+                    k.attend(sc.layer, sc.query, sc.meta, sc.sm_scale).float(),
+                    builds["baseline"].attend(sc.layer, sc.query, sc.meta, sc.sm_scale).float(),
+                    rtol=0,
+                    atol=3e-2,
+                )
+            runs: dict = {f"{b} {m}": [] for b in builds for m in ("warm", "cold")}
+            for r in range(args.repeats):
+                order = list(builds) if r % 2 == 0 else list(builds)[::-1]
+                for b in order:
+                    runs[f"{b} warm"].append(per_step_ms(builds[b], [sc.layer], sc, LAYERS))
+                    runs[f"{b} cold"].append(per_step_ms(builds[b], copies, sc, 2 * COLD_COPIES))
+            med = {k: statistics.median(v) for k, v in runs.items()}
+            report["results"][name] = {
+                "runs_ms": runs,
+                "median_ms": med,
+                "speedup_warm": med["baseline warm"] / med["head warm"],
+                "speedup_cold": med["baseline cold"] / med["head cold"],
+            }
+            print(name, {k: round(v, 1) for k, v in med.items()}, flush=True)
+    report["env"]["load_average_after"] = os.getloadavg()
+    args.output.write_text(json.dumps(report, indent=1) + "\n")
+    print("wrote", args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
