@@ -50,6 +50,8 @@ CACHE_CONFIGS: tuple[tuple[str, str | None], ...] = (
     ("int8", "channel"),
     ("fp8_per_token_head", None),
     ("int8_per_token_head", None),
+    ("int4_per_token_head", None),
+    ("k8v4_per_token_head", None),
 )
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -83,7 +85,7 @@ def _layer(
 ) -> PagedLayer:
     dt = resolve_cache_dtype(name)
     k_scale, v_scale = _scales(granularity, hkv, d)
-    cache = torch.zeros(4, 2, bs, hkv, d, dtype=dt.storage)  # never read: nothing runs
+    cache = torch.zeros(dt.cache_shape(4, bs, hkv, d), dtype=dt.storage)  # never read: nothing runs
     scale_cache = torch.zeros(4, 2, bs, hkv) if dt.dynamic else None
     return PagedLayer(cache, dt, k_scale, v_scale, scale_cache, rotate, window)
 

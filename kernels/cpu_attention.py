@@ -47,7 +47,9 @@ _DTYPE_CODES = {
     torch.float8_e4m3fn: 3,
     torch.float8_e5m2: 4,
     torch.int8: 5,
+    torch.uint8: 6,  # a packed 4-bit cache (int4 planes, and int8 half-row planes for k8v4's K)
 }
+_I8, _I4 = 5, 6
 _NONE, _HEAD, _CHANNEL, _DYNAMIC = range(4)
 
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -74,6 +76,14 @@ class _CacheDesc(ctypes.Structure):
         ("rotate", _i32),
         ("rot_norm", _f32),
         ("qmax", _f32),
+        ("packed", _i32),
+        ("planes", _i32),
+        ("row_elems", _i32),
+        ("side_dtype", _i32 * 2),
+        ("side_plane", _i32 * 2),
+        ("side_hi", _i64 * 2),
+        ("side_qmax", _f32 * 2),
+        ("clip", _f32 * 2),
     ]
 
 
@@ -145,9 +155,12 @@ def _cache_desc(layer: PagedLayer) -> _CacheDesc:
             f"the CPU kernels need head_dim % 8 == 0 and block_size <= 64, "
             f"got head_dim={layer.head_dim}, block_size={layer.block_size}"
         )
+    dt = layer.dt
+    if dt.packed and (layer.head_dim % 16 or layer.head_dim > 512):
+        raise ValueError(f"the CPU kernels need head_dim % 16 == 0 and <= 512 for {dt.name}, got {layer.head_dim}")
     desc = _CacheDesc(
         data=kv.data_ptr(),
-        dtype=_code(kv, "kv_cache", tuple(range(6))),
+        dtype=_code(kv, "kv_cache", tuple(range(7))),
         block_size=layer.block_size,
         num_kv_heads=layer.num_kv_heads,
         head_dim=layer.head_dim,
@@ -156,6 +169,16 @@ def _cache_desc(layer: PagedLayer) -> _CacheDesc:
         qmax=layer.dt.qmax,
     )
     desc.stride_block, desc.stride_kv, desc.stride_slot, desc.stride_head = kv.stride()[:4]
+    desc.packed, desc.planes, desc.row_elems = int(dt.packed), dt.planes, kv.shape[4]
+    for side in (0, 1):
+        desc.side_plane[side] = dt.side_planes(side)[0]
+        desc.side_qmax[side] = dt.side_qmax(side)
+        desc.clip[side] = (layer.k_clip, layer.v_clip)[side]
+        bits = dt.side_bits(side)
+        desc.side_dtype[side] = desc.dtype if not dt.packed else (_I4 if bits == 4 else _I8)
+        # where channels [D/2, D) of a row start: further along the row, the same bytes' high nibbles, or the
+        # next plane
+        desc.side_hi[side] = layer.head_dim // 2 if not dt.packed else (0 if bits == 4 else kv.stride(1))
     if layer.scale_cache is not None:
         desc.scale_mode, desc.scale_cache = _DYNAMIC, layer.scale_cache.data_ptr()
         desc.s_stride_block, desc.s_stride_kv, desc.s_stride_slot = layer.scale_cache.stride()[:3]

@@ -95,6 +95,9 @@ def _time_ms(fn, device: str, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+CACHES = ("bfloat16", "fp8_e4m3", "int8", "int4_per_token_head")  # the decode timings and split checks
+
+
 def _decode_inputs(name: str, context: int, batch: int, shape, device: str, seed: int = 0) -> dict:
     """A paged cache of random content (no NaN bytes) with shuffled blocks, and one query per sequence."""
     from .paged import PagedLayer, StepMetadata
@@ -104,15 +107,18 @@ def _decode_inputs(name: str, context: int, batch: int, shape, device: str, seed
     hq, hkv, d, bs = shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.block_size
     blocks = batch * -(-context // bs)
     g = torch.Generator(device="cpu").manual_seed(seed)
-    cache = torch.empty(blocks + 1, 2, bs, hkv, d, device=device, dtype=dt.storage)
-    if dt.kind == "int":
+    cache = torch.empty(dt.cache_shape(blocks + 1, bs, hkv, d), device=device, dtype=dt.storage)
+    if dt.packed:  # every byte is two valid int4 codes (or one int8 code)
+        cache.random_(0, 256)
+    elif dt.kind == "int":
         cache.view(torch.int8).random_(-127, 128)
     else:
         cache.view(dt.storage).copy_(torch.randn(cache.shape, device=device).to(dt.storage))
     tables = (torch.randperm(blocks, generator=g) + 1).view(batch, -1)
-    scales = torch.full((hkv,), 0.02, device=device) if dt.quantized else None
+    scales = torch.full((hkv,), 0.02, device=device) if dt.quantized and not dt.dynamic else None
+    scale_cache = torch.full((blocks + 1, 2, bs, hkv), 0.02, device=device) if dt.dynamic else None
     return dict(
-        layer=PagedLayer(cache, dt, scales, scales),
+        layer=PagedLayer(cache, dt, scales, scales, scale_cache),
         query=torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16),
         meta=StepMetadata.build([-1] * batch, tables, [context] * batch, device=device),
         sm_scale=d**-0.5,
@@ -125,7 +131,7 @@ def check_split(context: int, device: str, shape) -> dict:
     from .triton_attention import triton_attend
 
     out = {}
-    for name in ("bfloat16", "fp8_e4m3", "int8"):
+    for name in CACHES:
         args = _decode_inputs(name, context, 1, shape, device, seed=1)
         with capture(execute=True) as launches:
             split = triton_attend(**args).float()
@@ -149,7 +155,7 @@ def bench_decode(contexts, batches, device: str, iters: int, shape, gpu, emit) -
 
     for context in contexts:
         for batch in batches:
-            for name in ("bfloat16", "fp8_e4m3", "int8"):
+            for name in CACHES:
                 row = {"cache": name, "context": context, "batch": batch}
                 try:
                     args = _decode_inputs(name, context, batch, shape, device)

@@ -11,12 +11,21 @@ Layout (vLLM's Triton layout), one tensor per layer:
 
 * ``kv``: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` in the layer's storage dtype; index 0 of
   dim 1 is K, index 1 is V. A *slot* is ``block_id * block_size + offset``; slot ``-1`` means "do not write".
+* packed 4-bit dtypes (``int4_per_token_head``, ``k8v4_per_token_head``): ``kv`` is ``uint8 [num_blocks, P,
+  block_size, num_kv_heads, head_dim / 2]``, dim 1 holding half-row *planes*: an int4 side takes one plane
+  (channel ``j`` in byte ``j``'s low nibble, channel ``j + D/2`` in its high nibble), an int8 side two (its
+  channels ``[0, D/2)``, then ``[D/2, D)``). K's planes come first: int4 has ``P = 2`` (vLLM's
+  ``int4_per_token_head`` shape), k8v4 ``P = 3``. Every tile a kernel reads is then a run of contiguous
+  bytes, and K and V can differ in size within one tensor per layer, so block copies, offload and the
+  allocator treat every dtype alike.
 * ``scale_cache`` (dynamic per-token-head modes only): ``[num_blocks, 2, block_size, num_kv_heads]`` fp32.
 * static ``k_scale``/``v_scale`` (8-bit static modes only): fp32 ``[num_kv_heads]`` (a per-tensor scale is
   broadcast here, so one code path serves both compressed-tensors granularities) or ``[num_kv_heads,
   head_dim]`` for qkv's per-channel extension.
 * ``rotate`` (``--kv-rotation hadamard``): the cache holds ``K H`` and ``V H``; attention rotates the query
   the same way and the output back.
+* ``k_clip``/``v_clip`` (dynamic modes): the clipping ratio of the layer's per-token scales, ``scale = amax /
+  qmax * clip`` (1.0 unless calibrated).
 """
 
 from __future__ import annotations
@@ -61,11 +70,17 @@ class PagedLayer:
     scale_cache: torch.Tensor | None = None
     rotate: bool = False
     sliding_window: int | None = None
+    k_clip: float = 1.0
+    v_clip: float = 1.0
 
     def __post_init__(self) -> None:
         kv, dt = self.kv, self.dt
-        if kv.dim() != 5 or kv.shape[1] != 2:
-            raise ValueError(f"kv_cache must be [num_blocks, 2, block_size, Hkv, D], got {tuple(kv.shape)}")
+        if kv.dim() != 5 or kv.shape[1] != dt.planes:
+            dims = f"{dt.planes}, block_size, Hkv, D / 2" if dt.packed else "2, block_size, Hkv, D"
+            raise ValueError(f"a {dt.name} kv_cache must be [num_blocks, {dims}], got {tuple(kv.shape)}")
+        for name, clip in (("k_clip", self.k_clip), ("v_clip", self.v_clip)):
+            if not 0.0 < clip <= 1.0 or (clip != 1.0 and not dt.dynamic):
+                raise ValueError(f"{name} must be in (0, 1], and 1.0 unless the dtype is per-token, got {clip}")
         if kv.dtype != dt.storage:
             raise ValueError(f"kv_cache dtype {kv.dtype} does not match {dt.name} storage {dt.storage}")
         if kv.stride(-1) != 1:
@@ -108,7 +123,7 @@ class PagedLayer:
 
     @property
     def head_dim(self) -> int:
-        return self.kv.shape[4]
+        return self.kv.shape[4] * (2 if self.dt.packed else 1)
 
     @property
     def channel(self) -> bool:

@@ -11,6 +11,15 @@ compressed-tensors granularities, or ``[num_kv_heads, head_dim]`` for qkv's
 per-channel extension (``channel``: the K scale is folded into the query and the
 V scale into the output at attention time).
 
+4-bit modes (``int4_per_token_head``, vLLM's name; ``k8v4_per_token_head``, a qkv extension with K in
+int8): symmetric int4 in ``[-7, 7]`` (-8 unused, like int8's -128), one fp32 scale per token and kv head,
+two values a byte. Byte ``j`` of a packed row holds channel ``j`` in its low nibble and channel
+``j + D/2`` in its high nibble (two's complement): the low and high halves of a row are then two
+contiguous runs of ``D/2`` values, so a kernel unpacks a tile with a mask and a shift, no shuffle. The layout
+of such a cache is in :mod:`.paged`. A dynamic scale may be *clipped*: ``scale = amax / qmax * clip`` with a
+per-layer ratio ``clip <= 1`` chosen by ``qkv calibrate`` (1.0, vLLM's rule, when uncalibrated); values past
+the clipped range saturate.
+
 Rotation (qkv extension, ``--kv-rotation hadamard``): K and V are multiplied by
 the orthonormal Hadamard matrix ``H`` of size ``head_dim`` before they are
 quantized. Attention is unchanged because ``q . k = (qH) . (kH)`` and the output
@@ -38,6 +47,9 @@ __all__ = [
     "dequantize",
     "dynamic_scales",
     "DYNAMIC_SCALE_FLOOR",
+    "PACKED_CACHE_DTYPES",
+    "pack_int4",
+    "unpack_int4",
     "ROTATIONS",
     "check_rotation",
     "hadamard_rotate",
@@ -66,14 +78,56 @@ class CacheDtype:
     kind: str
     qmax: float
     dynamic: bool = False
+    # Bits per K and per V value when they are not the storage dtype's: 4 = packed int4, 8 = int8 bytes of a
+    # packed cache (k8v4's K). 0: one storage element a value.
+    k_bits: int = 0
+    v_bits: int = 0
 
     @property
     def quantized(self) -> bool:
         return self.kind != "none"
 
     @property
+    def packed(self) -> bool:
+        """K or V is int4, two values a byte: the cache is laid out in half-row planes (:mod:`.paged`)."""
+        return 4 in (self.k_bits, self.v_bits)
+
+    @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.storage).element_size()
+
+    def side_bits(self, kv: int) -> int:
+        """Bits per value of K (``kv`` 0) or V (1) when it differs from the storage dtype's width, else 0."""
+        return (self.k_bits, self.v_bits)[kv]
+
+    def side_qmax(self, kv: int) -> float:
+        """The largest code of K (``kv`` 0) or V (1): 7 for an int4 side."""
+        return 7.0 if self.side_bits(kv) == 4 else self.qmax
+
+    @property
+    def planes(self) -> int:
+        """Entries of the cache's dim 1: K and V (2), or for a packed cache, half-row planes of ``D/2`` bytes:
+        an int4 side takes one, an int8 side two (K channels ``[0, D/2)`` then ``[D/2, D)``)."""
+        return (self.k_bits + self.v_bits) // 4 if self.packed else 2
+
+    def side_planes(self, kv: int) -> range:
+        """Which planes of dim 1 hold K (``kv`` 0) or V (1)."""
+        if not self.packed:
+            return range(kv, kv + 1)
+        k = self.k_bits // 4
+        return range(0, k) if kv == 0 else range(k, self.planes)
+
+    def row_elements(self, head_dim: int) -> int:
+        """Storage elements along the cache's last dim: ``head_dim``, or ``head_dim / 2`` bytes when packed."""
+        return head_dim // 2 if self.packed else head_dim
+
+    def cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """The shape of one layer's ``kv`` tensor (:mod:`.paged`)."""
+        return (num_blocks, self.planes, block_size, num_kv_heads, self.row_elements(head_dim))
+
+    def bytes_per_head(self, head_dim: int) -> int:
+        """Bytes one token takes per kv head, K and V together, dynamic scales included."""
+        return self.planes * self.row_elements(head_dim) * self.itemsize + self.scale_bytes_per_head
 
     @property
     def scale_bytes_per_head(self) -> int:
@@ -93,6 +147,8 @@ _DTYPES: dict[str, CacheDtype] = {
     "int8": CacheDtype("int8", torch.int8, "int", 127.0),
     "fp8_per_token_head": CacheDtype("fp8_per_token_head", torch.float8_e4m3fn, "float", _E4M3, True),
     "int8_per_token_head": CacheDtype("int8_per_token_head", torch.int8, "int", 127.0, True),
+    "int4_per_token_head": CacheDtype("int4_per_token_head", torch.uint8, "int", 7.0, True, 4, 4),
+    "k8v4_per_token_head": CacheDtype("k8v4_per_token_head", torch.uint8, "int", 127.0, True, 8, 4),
 }
 _ALIASES = {"fp8": "fp8_e4m3", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
 
@@ -105,6 +161,8 @@ CACHE_DTYPE_NAMES = (
     "int8",
     "fp8_per_token_head",
     "int8_per_token_head",
+    "int4_per_token_head",
+    "k8v4_per_token_head",
 )
 
 
@@ -130,6 +188,7 @@ STORAGE_DTYPES = tuple(_DTYPES)  # every distinct cache dtype, by its canonical 
 # The names of the two families, derived from the table above (so a new dtype joins its family by itself).
 STATIC_CACHE_DTYPES = _kinds(static=True)  # one calibrated (or 1.0) scale per layer, head or channel
 DYNAMIC_CACHE_DTYPES = _kinds(static=False)  # a scale per token and head, computed when the token is written
+PACKED_CACHE_DTYPES = tuple(n for n in STORAGE_DTYPES if _DTYPES[n].packed)  # K or V in 4 bits
 
 
 def check_rotation(rotation: str | None, head_dim: int) -> str | None:
@@ -187,26 +246,53 @@ def _scale_view(scale: torch.Tensor, dt: CacheDtype) -> torch.Tensor:
     return scale.unsqueeze(-1)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, dt: CacheDtype) -> torch.Tensor:
-    """Quantize ``x`` ([T, H, D]) with ``scale`` ([H], [H, D] or dynamic [T, H]) into ``dt.storage``."""
+def quantize(x: torch.Tensor, scale: torch.Tensor, dt: CacheDtype, kv: int = 0) -> torch.Tensor:
+    """Quantize ``x`` ([T, H, D]) with ``scale`` ([H], [H, D] or dynamic [T, H]) into ``dt.storage``.
+
+    ``kv`` picks the side (0 K, 1 V) of a packed dtype, which returns its codes unpacked as int8
+    (:func:`pack_int4` packs an int4 side).
+    """
     if not dt.quantized:
         return x.to(dt.storage)
     y = x.to(torch.float32) / _scale_view(scale, dt)
     if dt.kind == "int":
-        return torch.round(y).clamp_(-dt.qmax, dt.qmax).to(torch.int8)
+        qmax = dt.side_qmax(kv)
+        return torch.round(y).clamp_(-qmax, qmax).to(torch.int8)
     # NaN inputs stay NaN; finite values saturate like __NV_SATFINITE.
     return y.clamp(-dt.qmax, dt.qmax).to(dt.storage)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dt: CacheDtype, out_dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of :func:`quantize`, computed in fp32 and cast to ``out_dtype``."""
+    """Inverse of :func:`quantize` (unpacked codes), computed in fp32 and cast to ``out_dtype``."""
     if not dt.quantized:
         return q.to(out_dtype)
     assert scale is not None
     return (q.to(torch.float32) * _scale_view(scale, dt)).to(out_dtype)
 
 
-def dynamic_scales(x: torch.Tensor, dt: CacheDtype) -> torch.Tensor:
-    """Per-(token, head) scales for the dynamic modes: ``amax(|x|, dim=-1) / qmax``, floored."""
+def dynamic_scales(x: torch.Tensor, dt: CacheDtype, kv: int = 0, clip: float = 1.0) -> torch.Tensor:
+    """Per-(token, head) scales for the dynamic modes: ``amax(|x|, dim=-1) / qmax * clip``, floored.
+
+    Every step is one fp32 operation in this order (the kernels repeat it); ``clip`` 1.0 changes no bit.
+    """
     amax = x.to(torch.float32).abs().amax(dim=-1)
-    return torch.clamp(amax / dt.qmax, min=DYNAMIC_SCALE_FLOOR)
+    scale = amax / dt.side_qmax(kv)
+    if clip != 1.0:
+        scale = scale * torch.tensor(clip, dtype=torch.float32)
+    return torch.clamp(scale, min=DYNAMIC_SCALE_FLOOR)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes in ``[-8, 7]`` along the last dim ``D`` -> ``uint8`` ``[..., D/2]``: byte ``j`` holds channel
+    ``j`` (low nibble) and ``j + D/2`` (high nibble)."""
+    half = q.shape[-1] // 2
+    lo, hi = q[..., :half].to(torch.int32), q[..., half:].to(torch.int32)
+    return ((lo & 0xF) | ((hi & 0xF) << 4)).to(torch.uint8)
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``uint8`` ``[..., D/2]`` -> int8 codes ``[..., D]`` (nibbles sign-extended)."""
+    b = p.to(torch.int32)
+    lo = ((b & 0xF) ^ 8) - 8
+    hi = ((b >> 4) ^ 8) - 8
+    return torch.cat((lo, hi), dim=-1).to(torch.int8)

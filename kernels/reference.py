@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .paged import PagedLayer, StepMetadata, check_kv, check_query
-from .quant import dequantize, dynamic_scales, hadamard_rotate, quantize
+from .quant import CacheDtype, dequantize, dynamic_scales, hadamard_rotate, pack_int4, quantize, unpack_int4
 
 __all__ = ["TorchReference", "attend", "attend_dense", "context_mask", "gather_kv", "visible_start", "write"]
 
@@ -40,11 +40,34 @@ def write(layer: PagedLayer, key: torch.Tensor, value: torch.Tensor, meta: StepM
     k_scale, v_scale = layer.k_scale, layer.v_scale
     if dt.dynamic:
         assert layer.scale_cache is not None
-        k_scale, v_scale = dynamic_scales(key, dt), dynamic_scales(value, dt)
+        k_scale, v_scale = dynamic_scales(key, dt, 0, layer.k_clip), dynamic_scales(value, dt, 1, layer.v_clip)
         layer.scale_cache[blocks, 0, offsets] = k_scale
         layer.scale_cache[blocks, 1, offsets] = v_scale
-    layer.kv[blocks, 0, offsets] = quantize(key, k_scale, dt)
-    layer.kv[blocks, 1, offsets] = quantize(value, v_scale, dt)
+    for kv, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        planes = to_planes(quantize(x, scale, dt, kv), dt, kv)
+        for p, plane in zip(dt.side_planes(kv), planes):
+            layer.kv[blocks, p, offsets] = plane
+
+
+def to_planes(q: torch.Tensor, dt: CacheDtype, kv: int) -> list[torch.Tensor]:
+    """One side's stored values (``[..., D]``, codes as :func:`quantize` returns them) as the rows of its
+    planes (:mod:`.paged`): the values themselves, one packed int4 plane, or an int8 side's two halves."""
+    if dt.side_bits(kv) == 4:
+        return [pack_int4(q)]
+    if dt.packed:
+        half = q.shape[-1] // 2
+        raw = q.view(torch.uint8)
+        return [raw[..., :half], raw[..., half:]]
+    return [q]
+
+
+def from_planes(planes: list[torch.Tensor], dt: CacheDtype, kv: int) -> torch.Tensor:
+    """Inverse of :func:`to_planes`: a side's plane rows back to values or codes ``[..., D]``."""
+    if dt.side_bits(kv) == 4:
+        return unpack_int4(planes[0])
+    if dt.packed:
+        return torch.cat(planes, dim=-1).view(torch.int8)
+    return planes[0]
 
 
 def gather_kv(
@@ -61,9 +84,11 @@ def gather_kv(
     ids = block_table[first:last].long()
     # Whole blocks are copied with one index_select, then trimmed to [start, length).
     lo, hi = start - first * block_size, length - first * block_size
-    blocks = kv_cache.index_select(0, ids)  # [n, 2, bs, H, D]
-    k = blocks[:, 0].reshape(-1, *kv_cache.shape[3:])[lo:hi]
-    v = blocks[:, 1].reshape(-1, *kv_cache.shape[3:])[lo:hi]
+    blocks = kv_cache.index_select(0, ids)  # [n, planes, bs, H, D or D / 2]
+    k, v = (
+        from_planes([blocks[:, p].reshape(-1, *kv_cache.shape[3:])[lo:hi] for p in dt.side_planes(kv)], dt, kv)
+        for kv in (0, 1)
+    )
     k_scale, v_scale = layer.k_scale, layer.v_scale
     if dt.dynamic:
         assert layer.scale_cache is not None

@@ -8,7 +8,7 @@ typed: ``python -m qkv.kernels.roofline`` writes ``kernels/results/roofline.md``
 
 Bytes of one attention call (one layer) at batch ``B``, context ``L``:
 
-* K and V: ``2 * B * L * Hkv * D * itemsize``;
+* K and V: ``2 * B * L * Hkv * D * itemsize`` (half or three quarters of it for the packed 4-bit caches);
 * scales: static scales ``2 * Hkv * 4`` (per-tensor/head) — negligible; the dynamic
   per-token-head modes would add ``2 * B * L * Hkv * 4``;
 * block tables: ``B * ceil(L / block_size) * 4`` (int32 ids; the programs of one sequence
@@ -61,10 +61,9 @@ BATCHES = (1, 16, 64)
 def decode_bytes(cache: str, context: int, batch: int, shape: Shape = LLAMA3_8B, segments: int = 1) -> dict:
     """Bytes one decode attention call reads or writes, by part (see the module docstring)."""
     dt = resolve_cache_dtype(cache)
-    itemsize = dt.itemsize
     hq, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
     parts = {
-        "kv": 2 * batch * context * hkv * d * itemsize,
+        "kv": batch * context * hkv * (dt.bytes_per_head(d) - dt.scale_bytes_per_head),
         "scales": 2 * batch * context * hkv * 4 if dt.dynamic else (2 * hkv * 4 if dt.quantized else 0),
         "block_tables": batch * math.ceil(context / shape.block_size) * 4,
         "query_output": 2 * batch * hq * d * 2,

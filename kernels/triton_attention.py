@@ -29,6 +29,11 @@ rotated back before the store (:mod:`.triton_hadamard`). Tiles come from
 and K-scaled by the launcher and read chunk by chunk, so they never sit in registers whole.
 ``BLOCK_SIZE`` (the paged block size) is a constexpr, so slot arithmetic is shifts.
 
+Packed 4-bit caches (``PACKED``, layout in :mod:`.paged`) are read as full ``[BLOCK_N, HEAD_DIM]`` tiles
+whose byte addresses repeat: channel ``j`` and ``j + D/2`` of an int4 row come from the same byte, low and
+high nibble, sign-extended by int8 shifts; k8v4's int8 K reads its upper half-row from the next plane. So
+the dots and the softmax are the 8-bit code path's.
+
 fp8 caches are decoded by the GPU's conversion where it has one (sm_89+,
 ``FP8_NATIVE``); on sm_80 the launcher passes the cache as ``uint8`` and the bytes are
 decoded with integer arithmetic (:mod:`.triton_fp8`), to the same fp32 values.
@@ -91,6 +96,7 @@ def _paged_attention_kernel(
     stride_skv,
     stride_ss,
     stride_bt,
+    k_hi,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -111,6 +117,9 @@ def _paged_attention_kernel(
     ROT_NORM: tl.constexpr,
     SPLIT: tl.constexpr,
     Q_CHUNK: tl.constexpr,
+    PACKED: tl.constexpr,
+    K_INT4: tl.constexpr,
+    V_PLANE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -186,7 +195,27 @@ def _paged_attention_kernel(
             v_scale_n = v_scale
         s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for c in tl.static_range(HEAD_DIM // Q_CHUNK + 1):  # K (whole or in chunks), then V
-            if c == HEAD_DIM // Q_CHUNK:
+            if PACKED:  # channels [0, D/2) along the row, [D/2, D) as high nibbles (int4) or k_hi further (int8)
+                if c == HEAD_DIM // Q_CHUNK:  # V: int4 in plane V_PLANE
+                    dc = d
+                    upper = dc >= HEAD_DIM // 2
+                    off = V_PLANE * stride_ckv + dc % (HEAD_DIM // 2)
+                    raw = tl.load(cache_ptr + slot_off[:, None] + off[None, :], mask=k_ok[:, None], other=0)
+                    b = raw.to(tl.int8, bitcast=True)  # nibbles sign-extended by int8 shifts
+                    x = tl.where(upper[None, :], b >> 4, (b << 4) >> 4)
+                    scale_n = v_scale_n
+                else:
+                    dc = c * Q_CHUNK + tl.arange(0, Q_CHUNK)
+                    upper = dc >= HEAD_DIM // 2
+                    off = dc % (HEAD_DIM // 2) + tl.where(upper, k_hi, 0)
+                    raw = tl.load(cache_ptr + slot_off[:, None] + off[None, :], mask=k_ok[:, None], other=0)
+                    if K_INT4:
+                        b = raw.to(tl.int8, bitcast=True)
+                        x = tl.where(upper[None, :], b >> 4, (b << 4) >> 4)
+                    else:
+                        x = raw.to(tl.int8, bitcast=True)
+                    scale_n = k_scale_n
+            elif c == HEAD_DIM // Q_CHUNK:
                 dc = d
                 x = tl.load(kv_ptrs + stride_ckv, mask=k_ok[:, None], other=0.0)
                 scale_n = v_scale_n
@@ -354,6 +383,7 @@ def triton_attend(
         *kv_cache.stride()[:4],
         *s_strides,
         meta.block_tables.stride(0),
+        kv_cache.stride(1) if dt.packed and dt.side_bits(0) == 8 else 0,  # k8v4's K: its upper half-row plane
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=layer.block_size,
@@ -374,6 +404,9 @@ def triton_attend(
         ROT_NORM=float(head_dim) ** -0.5,
         SPLIT=split,
         Q_CHUNK=tiles.q_chunk,
+        PACKED=dt.packed,
+        K_INT4=dt.side_bits(0) == 4,
+        V_PLANE=dt.side_planes(1)[0],
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         enable_fp_fusion=True,

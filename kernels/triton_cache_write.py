@@ -19,6 +19,10 @@ Bit-exactness notes. The kernel never relies on a float cast to round:
 * bf16 copy: rounded half-to-even on the fp32 bits, because the interpreter
   truncates fp32 -> bf16.
 
+* packed 4-bit caches (``PACKED``): the codes are int8's, clamped to each side's qmax; an int4 side's two
+  halves are combined into bytes by an integer sum over a ``[H, 2, D/2]`` view (channel ``j`` + 16 x channel
+  ``j + D/2``), an int8 side (k8v4's K) is stored as its two half-row planes.
+
 One program writes one token (grid = ``(T,)``): all kv heads of K and V, plus their
 dynamic scales; a ``-1`` slot masks every store of its program. ``ROTATE`` applies
 the Hadamard rotation in registers first (:mod:`.triton_hadamard`, bit-exact with
@@ -93,6 +97,46 @@ def _quantize(
 
 
 @triton.jit
+def _pack_int4(q, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """int32 codes ``[BLOCK_H, BLOCK_D]`` in [-8, 7] -> ``uint8 [BLOCK_H, BLOCK_D / 2]``: byte ``j`` = channel ``j``
+    (low nibble) | channel ``j + D/2`` (high nibble), as :func:`qkv.kernels.quant.pack_int4`."""
+    nib = tl.reshape(q & 0xF, (BLOCK_H, 2, BLOCK_D // 2))
+    weight = tl.where(tl.arange(0, 2) == 0, 1, 16)[None, :, None]
+    return tl.sum(nib * weight, axis=1).to(tl.uint8)
+
+
+@triton.jit
+def _store_side(
+    ptr,
+    x,
+    scale,
+    h,
+    h_ok,
+    QMAX: tl.constexpr,
+    INT4: tl.constexpr,
+    hi_off,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    stride_ch,
+):
+    """One side of a packed cache: codes clamped to +-QMAX, stored as an int4 plane or two int8 half-row planes
+    (channels ``[D/2, D)`` ``hi_off`` bytes after the row)."""
+    y = tl.math.div_rn(x, scale)
+    y = tl.maximum(y, -QMAX, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.minimum(y, QMAX, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.where(y != y, 0.0, rint(y)).to(tl.int32)  # NaN -> 0, as torch on CPU
+    if INT4:
+        half = tl.arange(0, BLOCK_D // 2)
+        tl.store(ptr + h[:, None] * stride_ch + half[None, :], _pack_int4(q, BLOCK_H, BLOCK_D), mask=h_ok[:, None])
+    else:
+        d = tl.arange(0, BLOCK_D)
+        off = tl.where(d < BLOCK_D // 2, d, d - BLOCK_D // 2 + hi_off)
+        tl.store(
+            ptr + h[:, None] * stride_ch + off[None, :], q.to(tl.int8).to(tl.uint8, bitcast=True), mask=h_ok[:, None]
+        )
+
+
+@triton.jit
 def _write_kv_kernel(
     key_ptr,
     value_ptr,
@@ -114,9 +158,16 @@ def _write_kv_kernel(
     stride_sb,
     stride_skv,
     stride_ss,
+    k_clip,
+    v_clip,
+    k_hi,
     KIND: tl.constexpr,
     DYNAMIC: tl.constexpr,
     QMAX: tl.constexpr,
+    V_QMAX: tl.constexpr,
+    PACKED: tl.constexpr,
+    K_INT4: tl.constexpr,
+    V_PLANE: tl.constexpr,
     MANT_BITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
     FP8_NATIVE: tl.constexpr,
@@ -152,12 +203,13 @@ def _write_kv_kernel(
         k_scale = tl.full((BLOCK_H, BLOCK_D), 1.0, tl.float32)
         v_scale = k_scale
     elif DYNAMIC:
-        # amax(|x|) / qmax, floored; stored beside the block
+        # amax(|x|) / qmax * clip, floored; stored beside the block (a clip of 1.0 multiplies exactly)
         k_scale = tl.maximum(
-            tl.math.div_rn(tl.max(tl.abs(k), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)), DYNAMIC_FLOOR
+            tl.math.div_rn(tl.max(tl.abs(k), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)) * k_clip, DYNAMIC_FLOOR
         )
         v_scale = tl.maximum(
-            tl.math.div_rn(tl.max(tl.abs(v), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)), DYNAMIC_FLOOR
+            tl.math.div_rn(tl.max(tl.abs(v), axis=1), tl.full((BLOCK_H,), V_QMAX, tl.float32)) * v_clip,
+            DYNAMIC_FLOOR,
         )
         s_base = scale_cache_ptr + block * stride_sb + offset * stride_ss + h
         tl.store(s_base, k_scale, mask=h_ok)
@@ -171,12 +223,17 @@ def _write_kv_kernel(
         k_scale = tl.broadcast_to(tl.load(k_scale_ptr + h, mask=h_ok, other=1.0)[:, None], (BLOCK_H, BLOCK_D))
         v_scale = tl.broadcast_to(tl.load(v_scale_ptr + h, mask=h_ok, other=1.0)[:, None], (BLOCK_H, BLOCK_D))
 
-    out_ty = cache_ptr.dtype.element_ty
-    kq = _quantize(k, k_scale, KIND, QMAX, MANT_BITS, MIN_EXP, FP8_NATIVE, ROUND_BF16, out_ty)
-    vq = _quantize(v, v_scale, KIND, QMAX, MANT_BITS, MIN_EXP, FP8_NATIVE, ROUND_BF16, out_ty)
-    c_base = cache_ptr + block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :]
-    tl.store(c_base, kq, mask=mask)
-    tl.store(c_base + stride_ckv, vq, mask=mask)
+    if PACKED:  # dynamic by construction; V is int4 in plane V_PLANE, K int4 or int8 from plane 0
+        row = cache_ptr + block * stride_cb + offset * stride_cs
+        _store_side(row, k, k_scale, h, h_ok, QMAX, K_INT4, k_hi, BLOCK_H, BLOCK_D, stride_ch)
+        _store_side(row + V_PLANE * stride_ckv, v, v_scale, h, h_ok, V_QMAX, True, 0, BLOCK_H, BLOCK_D, stride_ch)
+    else:
+        out_ty = cache_ptr.dtype.element_ty
+        kq = _quantize(k, k_scale, KIND, QMAX, MANT_BITS, MIN_EXP, FP8_NATIVE, ROUND_BF16, out_ty)
+        vq = _quantize(v, v_scale, KIND, QMAX, MANT_BITS, MIN_EXP, FP8_NATIVE, ROUND_BF16, out_ty)
+        c_base = cache_ptr + block * stride_cb + offset * stride_cs + h[:, None] * stride_ch + d[None, :]
+        tl.store(c_base, kq, mask=mask)
+        tl.store(c_base + stride_ckv, vq, mask=mask)
 
 
 def triton_write(layer: PagedLayer, key: torch.Tensor, value: torch.Tensor, meta: StepMetadata) -> None:
@@ -217,9 +274,16 @@ def triton_write(layer: PagedLayer, key: torch.Tensor, value: torch.Tensor, meta
         value.stride(1),
         *kv_cache.stride()[:4],
         *s_strides,
+        float(layer.k_clip),
+        float(layer.v_clip),
+        kv_cache.stride(1),  # k8v4's K: channels [D/2, D) are one plane further
         KIND={"none": 0, "int": 1, "float": 2}[dt.kind],
         DYNAMIC=dt.dynamic,
-        QMAX=float(dt.qmax),
+        QMAX=float(dt.side_qmax(0)),
+        V_QMAX=float(dt.side_qmax(1)),
+        PACKED=dt.packed,
+        K_INT4=dt.side_bits(0) == 4,
+        V_PLANE=dt.side_planes(1)[0],
         MANT_BITS=mant_bits,
         MIN_EXP=min_exp,
         FP8_NATIVE=native,

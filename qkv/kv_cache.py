@@ -3,7 +3,8 @@
 Every layer has its own storage dtype and scales (skipped layers stay BF16),
 so capacity is planned from per-layer bytes per token:
 ``2 * num_kv_heads * head_dim * itemsize`` (+ ``2 * num_kv_heads * 4`` bytes
-of scales for the dynamic per-token-head modes).
+of scales for the dynamic per-token-head modes; half or three quarters of the
+value bytes for the packed 4-bit modes).
 """
 
 from __future__ import annotations
@@ -31,15 +32,15 @@ class LayerSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        per_head = 2 * self.head_dim * self.dtype.itemsize + self.dtype.scale_bytes_per_head
-        return self.num_kv_heads * per_head
+        return self.num_kv_heads * self.dtype.bytes_per_head(self.head_dim)
 
 
 @dataclass(eq=False)
 class LayerCache(PagedLayer):
     """One layer's paged cache (:class:`~qkv.kernels.paged.PagedLayer`, checked once when built) and its spec.
 
-    ``kv`` is ``[num_blocks, 2, block_size, Hkv, D]``; static ``k_scale``/``v_scale`` are fp32 ``[Hkv]`` (or
+    ``kv`` is ``[num_blocks, 2, block_size, Hkv, D]`` (packed 4-bit dtypes: ``[num_blocks, planes, block_size,
+    Hkv, D / 2]`` bytes, :mod:`qkv.kernels.paged`); static ``k_scale``/``v_scale`` are fp32 ``[Hkv]`` (or
     ``[Hkv, D]`` per channel); ``scale_cache`` is ``[num_blocks, 2, block_size, Hkv]`` fp32 (dynamic modes).
     """
 
@@ -71,22 +72,34 @@ class KVCache:
         block_size: int,
         device: torch.device | str = "cpu",
         scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        clips: dict[int, tuple[float, float]] | None = None,
     ) -> None:
+        """``scales``: static scales per layer index; ``clips``: calibrated ``(k_clip, v_clip)`` of dynamic
+        layers (1.0 where absent)."""
         self.specs = specs
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layers: list[LayerCache] = []
         for s in specs:
-            kv = torch.zeros(
-                num_blocks, 2, block_size, s.num_kv_heads, s.head_dim, dtype=s.dtype.storage, device=device
-            )
+            shape = s.dtype.cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_dim)
+            kv = torch.zeros(shape, dtype=s.dtype.storage, device=device)
             scale_cache = k_scale = v_scale = None
             if s.dtype.dynamic:
                 scale_cache = torch.ones(num_blocks, 2, block_size, s.num_kv_heads, dtype=torch.float32, device=device)
             elif s.dtype.quantized:
                 k_scale, v_scale = (scales or {}).get(s.layer_idx, (torch.ones(1), torch.ones(1)))
+            k_clip, v_clip = (clips or {}).get(s.layer_idx, (1.0, 1.0)) if s.dtype.dynamic else (1.0, 1.0)
             layer = LayerCache(
-                kv, s.dtype, k_scale, v_scale, scale_cache, s.rotation is not None, s.sliding_window, spec=s
+                kv,
+                s.dtype,
+                k_scale,
+                v_scale,
+                scale_cache,
+                s.rotation is not None,
+                s.sliding_window,
+                k_clip,
+                v_clip,
+                spec=s,
             )
             self.layers.append(layer)
 

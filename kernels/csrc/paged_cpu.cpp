@@ -13,7 +13,8 @@
 //   composition cannot change a single bit of a row's output, and the cache bytes written
 //   for a token depend only on that token's K/V.
 //
-// The cache write is bit-exact with the reference (torch's float8 / int8 / bf16 casts).
+// The cache write is bit-exact with the reference (torch's float8 / int8 / bf16 casts, and its int4
+// packing: byte j of a packed half-row plane holds channel j in the low nibble, j + D/2 in the high one).
 
 #include <algorithm>
 #include <cmath>
@@ -33,10 +34,14 @@ typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 typedef int8_t i8x8 __attribute__((vector_size(8)));
 
-enum DType : int32_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, I8 = 5 };
+enum DType : int32_t { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4, I8 = 5, I4 = 6 };
 enum ScaleMode : int32_t { SCALE_NONE = 0, SCALE_HEAD = 1, SCALE_CHANNEL = 2, SCALE_DYNAMIC = 3 };
 
-// One layer's paged cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] (strides in elements).
+// One layer's paged cache: [num_blocks, 2, block_size, num_kv_heads, head_dim] (strides in elements), or for
+// the packed 4-bit dtypes [num_blocks, planes, block_size, num_kv_heads, head_dim / 2] bytes, a side (K or V)
+// being one int4 plane or two int8 half-row planes (kernels/paged.py). Side kv's row starts at plane
+// side_plane[kv]; its channels [D/2, D) are side_hi[kv] elements further (D/2 for a plain row, 0 for int4
+// nibbles, one plane for a split int8 row).
 struct CacheDesc {
   void* data;
   int64_t stride_block, stride_kv, stride_slot, stride_head;
@@ -46,6 +51,10 @@ struct CacheDesc {
   const float* v_scale;
   int32_t dtype, scale_mode, block_size, num_kv_heads, head_dim, rotate;
   float rot_norm, qmax;
+  int32_t packed, planes, row_elems;
+  int32_t side_dtype[2], side_plane[2];
+  int64_t side_hi[2];
+  float side_qmax[2], clip[2];
 };
 
 struct WriteArgs {
@@ -272,15 +281,34 @@ static inline f32x8 decode8(const void* base, int64_t i) {
   }
 }
 
+// 8 int4 codes of a packed plane: the low (channels j) or high (j + D/2) nibbles of 8 bytes, sign-extended.
+static inline f32x8 decode8_i4(const uint8_t* p, bool high) {
+  const i32x8 b = (i32x8)widen_u8(p);
+  const i32x8 v = high ? (b << 24) >> 28 : (b << 28) >> 28;
+  return __builtin_convertvector(v, f32x8);
+}
+
 // Run CALL, which names the template argument DT, with DT the runtime dtype code.
-#define QKV_DISPATCH_DTYPE(dtype, CALL)  \
+#define QKV_DISPATCH_DTYPE(dtype, ...)  \
   switch (dtype) {                       \
-    case F32: { constexpr int32_t DT = F32; CALL; } break;   \
-    case BF16: { constexpr int32_t DT = BF16; CALL; } break; \
-    case F16: { constexpr int32_t DT = F16; CALL; } break;   \
-    case E4M3: { constexpr int32_t DT = E4M3; CALL; } break; \
-    case E5M2: { constexpr int32_t DT = E5M2; CALL; } break; \
-    default: { constexpr int32_t DT = I8; CALL; } break;     \
+    case F32: { constexpr int32_t DT = F32; __VA_ARGS__; } break;   \
+    case BF16: { constexpr int32_t DT = BF16; __VA_ARGS__; } break; \
+    case F16: { constexpr int32_t DT = F16; __VA_ARGS__; } break;   \
+    case E4M3: { constexpr int32_t DT = E4M3; __VA_ARGS__; } break; \
+    case E5M2: { constexpr int32_t DT = E5M2; __VA_ARGS__; } break; \
+    default: { constexpr int32_t DT = I8; __VA_ARGS__; } break;     \
+  }
+
+// Run CALL, which names DK and DV (the K and V side dtypes) and PK (packed), with the layer's values.
+#define QKV_DISPATCH_CACHE(c, ...)                                                            \
+  if (c.packed) {                                                                             \
+    constexpr bool PK = true;                                                                 \
+    constexpr int32_t DV = I4;                                                                \
+    if (c.side_dtype[0] == I4) { constexpr int32_t DK = I4; __VA_ARGS__; }                    \
+    else { constexpr int32_t DK = I8; __VA_ARGS__; }                                          \
+  } else {                                                                                    \
+    constexpr bool PK = false;                                                                \
+    QKV_DISPATCH_DTYPE(c.dtype, constexpr int32_t DK = DT; constexpr int32_t DV = DT; __VA_ARGS__) \
   }
 
 // x @ H along n (a power of two): butterflies of stride 1, 2, 4, ... then one multiply,
@@ -325,6 +353,40 @@ static inline u32x8 encode8_fp8(f32x8 y, int32_t dtype) {
   return (r & 0xffu) | (sign >> 24);
 }
 
+// Round |y| <= 127 to the nearest integer, half to even (adding 1.5 * 2^23 does it); NaN -> 0, as torch on CPU.
+static inline i32x8 round_int(f32x8 y) {
+  const f32x8 magic = splat(0x1.8p23f);
+  const i32x8 q = __builtin_convertvector((y + magic) - magic, i32x8);
+  return (i32x8)(y == y) ? q : (i32x8){};
+}
+
+// Element offset of side kv's row at (block, slot offset, kv head).
+static inline int64_t row_base(const CacheDesc& c, int64_t block, int kv, int64_t off, int h) {
+  return block * c.stride_block + (int64_t)c.side_plane[kv] * c.stride_kv + off * c.stride_slot + h * c.stride_head;
+}
+
+// One side's row of a packed cache, with its dynamic scale: int codes clamped to +-qmax, then as one int4 plane
+// (channel j | channel j + D/2 << 4) or as an int8 row's two half-row planes.
+static void quantize_row_packed(const float* x, float scale, int D, float qmax, int32_t side_dtype, uint8_t* data,
+                                int64_t base, int64_t hi_off) {
+  int8_t q[512];  // D <= 512 (checked by the launcher)
+  const f32x8 hi = splat(qmax), lo = splat(-qmax), s = splat(scale);
+  for (int d = 0; d < D; d += 8) {
+    f32x8 y = loadv(x + d) / s;
+    y = y > hi ? hi : y;
+    y = y < lo ? lo : y;
+    const i32x8 r = round_int(y);
+    for (int k = 0; k < 8; ++k) q[d + k] = (int8_t)r[k];
+  }
+  const int half = D / 2;
+  if (side_dtype == I4) {
+    for (int j = 0; j < half; ++j) data[base + j] = (uint8_t)((q[j] & 0xf) | ((q[j + half] & 0xf) << 4));
+  } else {
+    std::memcpy(data + base, q, half);
+    std::memcpy(data + base + hi_off, q + half, half);
+  }
+}
+
 static void quantize_row(const float* x, const float* scale, int D, bool per_channel, float qmax,
                          int32_t dtype, void* dst, int64_t off) {
   if (dtype == F32 || dtype == BF16 || dtype == F16) {
@@ -339,11 +401,7 @@ static void quantize_row(const float* x, const float* scale, int D, bool per_cha
     y = y < lo ? lo : y;
     uint8_t* out = static_cast<uint8_t*>(dst) + off + d;
     if (dtype == I8) {
-      const f32x8 magic = splat(0x1.8p23f);  // |y| <= 127: adding 1.5 * 2^23 rounds to an integer, half to even
-      const f32x8 r = (y + magic) - magic;
-      i32x8 q = __builtin_convertvector(r, i32x8);
-      q = (i32x8)(y == y) ? q : (i32x8){};  // NaN -> 0, as torch on CPU
-      store_bytes(out, (u32x8)q);
+      store_bytes(out, (u32x8)round_int(y));
     } else {
       store_bytes(out, encode8_fp8(y, dtype));
     }
@@ -365,7 +423,7 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
       const int64_t st = kv == 0 ? a->stride_kt : a->stride_vt, sh = kv == 0 ? a->stride_kh : a->stride_vh;
       const float* static_scale = kv == 0 ? c.k_scale : c.v_scale;
       for (int h = 0; h < H; ++h) {
-        const int64_t dst = block * c.stride_block + kv * c.stride_kv + off * c.stride_slot + h * c.stride_head;
+        const int64_t dst = row_base(c, block, kv, off, h);
         if (!c.rotate && a->in_dtype == c.dtype) {  // same dtype, unquantized: the bytes as they are
           const int64_t size = c.dtype == F32 ? 4 : 2;
           std::memcpy(static_cast<char*>(c.data) + dst * size,
@@ -384,7 +442,9 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
             if (std::isnan(v)) { amax = v; break; }
             amax = std::max(amax, v);
           }
-          dyn = std::max(amax / c.qmax, 1e-8f);
+          float sc = amax / c.side_qmax[kv];  // the reference's order: amax / qmax, times a calibrated clip
+          if (c.clip[kv] != 1.0f) sc *= c.clip[kv];
+          dyn = std::max(sc, 1e-8f);
           c.scale_cache[block * c.s_stride_block + kv * c.s_stride_kv + off * c.s_stride_slot + h] = dyn;
         } else if (c.scale_mode == SCALE_HEAD) {
           scale = static_scale + h;
@@ -392,7 +452,11 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
           scale = static_scale + (int64_t)h * D;
           per_channel = true;
         }
-        quantize_row(x.data(), scale, D, per_channel, c.qmax, c.dtype, c.data, dst);
+        if (c.packed)
+          quantize_row_packed(x.data(), dyn, D, c.side_qmax[kv], c.side_dtype[kv], static_cast<uint8_t*>(c.data),
+                              dst, c.side_hi[kv]);
+        else
+          quantize_row(x.data(), scale, D, per_channel, c.qmax, c.dtype, c.data, dst);
       }
     }
   }
@@ -401,28 +465,44 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
 
 // ------------------------------------------------------------------ attention --
 // Dequantize one cached row (D values of kv head h at a slot) into fp32.
-template <int32_t DT>
+// PK: a packed cache, whose side dtype DT is I4 (nibbles of one plane) or I8 (two half-row planes).
+template <int32_t DT, bool PK>
 static inline void load_cached_row(const CacheDesc& c, int64_t block, int kv, int64_t off, int h, float* dst) {
-  const int64_t base = block * c.stride_block + kv * c.stride_kv + off * c.stride_slot + h * c.stride_head;
+  const int64_t base = row_base(c, block, kv, off, h);
   float s = prescale(DT);  // power of two: s * scale is exact, so folding it in changes no bit
   if (c.scale_mode == SCALE_DYNAMIC)
     s *= c.scale_cache[block * c.s_stride_block + kv * c.s_stride_kv + off * c.s_stride_slot + h];
   else if (c.scale_mode == SCALE_HEAD)
     s *= (kv == 0 ? c.k_scale : c.v_scale)[h];
   const f32x8 sv = splat(s);  // s == 1 multiplies exactly
-  for (int d = 0; d < c.head_dim; d += 8) storev(dst + d, decode8<DT>(c.data, base + d) * sv);
+  if constexpr (PK) {
+    const int half = c.head_dim / 2;
+    const uint8_t* lo = static_cast<const uint8_t*>(c.data) + base;
+    const uint8_t* hi = lo + c.side_hi[kv];
+    for (int d = 0; d < half; d += 8) {
+      if constexpr (DT == I4) {
+        storev(dst + d, decode8_i4(lo + d, false) * sv);
+        storev(dst + half + d, decode8_i4(hi + d, true) * sv);
+      } else {
+        storev(dst + d, widen_i8(reinterpret_cast<const int8_t*>(lo) + d) * sv);
+        storev(dst + half + d, widen_i8(reinterpret_cast<const int8_t*>(hi) + d) * sv);
+      }
+    }
+  } else {
+    for (int d = 0; d < c.head_dim; d += 8) storev(dst + d, decode8<DT>(c.data, base + d) * sv);
+  }
 }
 
 // The K and V rows of slots [j0, j1) (block-relative) and heads [h0, h1) into the item's tiles, laid out
 // [head - h0][slot][D] with TK slots per head.
-template <int32_t DT>
+template <int32_t DK, int32_t DV, bool PK>
 static void load_block(const CacheDesc& c, int64_t block, int64_t j0, int64_t j1, int h0, int h1, int TK,
                        float* kbuf, float* vbuf) {
   const int D = c.head_dim;
   for (int64_t j = j0; j < j1; ++j)
     for (int h = h0; h < h1; ++h) {
-      load_cached_row<DT>(c, block, 0, j, h, kbuf + ((size_t)(h - h0) * TK + j) * D);
-      load_cached_row<DT>(c, block, 1, j, h, vbuf + ((size_t)(h - h0) * TK + j) * D);
+      load_cached_row<DK, PK>(c, block, 0, j, h, kbuf + ((size_t)(h - h0) * TK + j) * D);
+      load_cached_row<DV, PK>(c, block, 1, j, h, vbuf + ((size_t)(h - h0) * TK + j) * D);
     }
 }
 
@@ -549,10 +629,10 @@ static void attend_row(const float* q, float* o, RowState& rs, const float* kbuf
 static inline void prefetch_block(const CacheDesc& c, int64_t block, int h0, int h1) {
   const int64_t esize = c.dtype == F32 ? 4 : (c.dtype == BF16 || c.dtype == F16) ? 2 : 1;
   const char* base = static_cast<const char*>(c.data);
-  const int64_t row_bytes = (int64_t)(h1 - h0) * c.head_dim * esize;
-  for (int kv = 0; kv < 2; ++kv)
+  const int64_t row_bytes = (int64_t)(h1 - h0) * c.row_elems * esize;
+  for (int p = 0; p < c.planes; ++p)
     for (int j = 0; j < c.block_size; ++j) {
-      const char* row = base + (block * c.stride_block + kv * c.stride_kv + j * c.stride_slot + h0 * c.stride_head) * esize;
+      const char* row = base + (block * c.stride_block + p * c.stride_kv + j * c.stride_slot + h0 * c.stride_head) * esize;
       for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
     }
 }
@@ -610,7 +690,7 @@ static void attend_item(const AttnArgs& a, int s, int64_t tok0, int64_t ntok, in
     if ((b + 1) * BS < hi) prefetch_block(c, table[b + 1], h0, h1);
     const int64_t j0 = std::max(start, lo), j1 = std::min(start + BS, hi);
     // only slots some row of the item can see are read
-    QKV_DISPATCH_DTYPE(c.dtype, load_block<DT>(c, block, j0 - start, j1 - start, h0, h1, TK, kbuf, vbuf))
+    QKV_DISPATCH_CACHE(c, load_block<DK, DV, PK>(c, block, j0 - start, j1 - start, h0, h1, TK, kbuf, vbuf))
     for (int r = 0; r < rows; ++r) {
       const int64_t a0 = std::max(start, st[r].lo), a1 = std::min(start + BS, st[r].hi);
       const size_t tile = (size_t)((r % (NH * G)) / G) * TK * D;
@@ -683,7 +763,11 @@ extern "C" int qkv_gather_kv(const GatherArgs* a) {
     float row[512];
     for (int64_t j = j0; j < j1; ++j)
       for (int h = 0; h < H; ++h) {
-        QKV_DISPATCH_DTYPE(c.dtype, load_cached_row<DT>(c, block, kv, j - b * BS, h, row))
+        if (kv == 0) {
+          QKV_DISPATCH_CACHE(c, load_cached_row<DK, PK>(c, block, 0, j - b * BS, h, row))
+        } else {
+          QKV_DISPATCH_CACHE(c, load_cached_row<DV, PK>(c, block, 1, j - b * BS, h, row))
+        }
         if (chan)
           for (int d = 0; d < D; ++d) row[d] *= chan[(int64_t)h * D + d];
         const int64_t o = (((int64_t)kv * H + h) * L + (j - a->start)) * D;

@@ -127,7 +127,7 @@ def test_sampling_seed_is_reproducible_and_stop_strings(tiny_dir):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kv", ["auto", "fp8", "int8_per_token_head"])
+@pytest.mark.parametrize("kv", ["auto", "fp8", "int8_per_token_head", "int4_per_token_head"])
 def test_cpu_backend_logits_match_reference(tiny_dir, arch, kv):
     """The fused CPU kernels (the default on a CPU) give the reference's logits, prefill chunked over
     a cached prefix and past the sliding window."""

@@ -13,7 +13,16 @@ GREEDY32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * k for k in (1, 3, 6)]
 
 
-@pytest.mark.parametrize("arch, kv", [("llama", "fp8"), ("gemma3", "auto"), ("gemma3", "int8_per_token_head")])
+@pytest.mark.parametrize(
+    "arch, kv",
+    [
+        ("llama", "fp8"),
+        ("gemma3", "auto"),
+        ("gemma3", "int8_per_token_head"),
+        ("llama", "int4_per_token_head"),
+        ("gemma3", "k8v4_per_token_head"),
+    ],
+)
 def test_triton_backend_matches_torch_backend(tiny_dir, arch, kv):
     """Triton kernels under TRITON_INTERPRET=1 give the torch backend's greedy tokens.
 
@@ -154,6 +163,20 @@ def test_capacity_doubles_at_1gib(smollm2):
     # dynamic scales count against the budget: 2 x 30 x 3 x (64 B + 4 B scale)
     assert dyn.kv_bytes_per_token == 2 * 30 * 3 * (64 + 4) == 12240
     assert dyn.cache.num_blocks == (1 << 30) // (16 * 12240)
+
+
+def test_4bit_capacity_at_1gib(smollm2):
+    """int4: 30 layers x 3 heads x (32 + 32 B of codes + 8 B of fp32 scales) = 6,480 B/token, 3.55x bf16's
+    blocks; k8v4 (64 + 32 + 8 B) = 9,360 B/token, 2.46x. The capacity line counts the scales."""
+    blocks = {}
+    for kv, per_token in (("bfloat16", 23040), ("int4_per_token_head", 6480), ("k8v4_per_token_head", 9360)):
+        eng = LLM(smollm2, kv_cache_memory="1GiB", kv_cache_dtype=kv).llm_engine
+        assert eng.kv_bytes_per_token == per_token
+        assert eng.cache.num_blocks == (1 << 30) // (16 * per_token)
+        assert f"{per_token:,} B/token" in eng.capacity
+        blocks[kv] = eng.cache.num_blocks
+    assert blocks["int4_per_token_head"] / blocks["bfloat16"] >= 3.5
+    assert blocks["k8v4_per_token_head"] / blocks["bfloat16"] >= 2.4
 
 
 # ---------------------------------------------------------------- Gemma 3 --

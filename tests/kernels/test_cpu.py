@@ -94,7 +94,7 @@ def test_write_bytes_equal_reference(kernels, name, rotate, in_dtype):
         meta = write_step(slots)
         layers = []
         for backend in (ref, kernels):
-            cache = torch.zeros(blocks, 2, BS, heads, dim, dtype=dt.storage)
+            cache = torch.zeros(dt.cache_shape(blocks, BS, heads, dim), dtype=dt.storage)
             sc = torch.full((blocks, 2, BS, heads), 7.0) if dt.dynamic else None
             layer = PagedLayer(cache, dt, ks, vs, sc, rotate)
             backend.write(layer, key, value, meta)

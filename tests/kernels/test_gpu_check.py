@@ -23,10 +23,10 @@ def test_gpu_check_dry_run(tmp_path):
     report = json.loads((tmp_path / "gpu_check_dry_run.json").read_text())
     assert report["dry_run"] and not [k for k in report if k.endswith("_error")]
     assert [t["returncode"] for t in report["kernel_tests"]] == [0]
-    assert set(report["split_check"]) == {"bfloat16", "fp8_e4m3", "int8"}
+    assert set(report["split_check"]) == {"bfloat16", "fp8_e4m3", "int8", "int4_per_token_head"}
     assert all(v["ok"] and v["grid"][2] == 2 for v in report["split_check"].values())
     decode = report["decode"]
-    assert len(decode) == 2 * 2 * 4 and not [r for r in decode if "error" in r]
+    assert len(decode) == 2 * 2 * 5 and not [r for r in decode if "error" in r]
     kernels = [r for r in decode if r["cache"] != "sdpa_contiguous_bf16"]
     assert all(r["finite"] and r["kernel_ms"] > 0 and r["fraction_of_hbm"] > 0 for r in kernels)
     assert {r["segments"] for r in kernels if r["context"] == 600} == {2}

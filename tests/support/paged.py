@@ -125,9 +125,10 @@ def paged_scenario(
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + extra_blocks  # a few blocks nobody owns
-    raw = torch.empty(num_blocks * 2 * block_size * hkv * d * dt.itemsize, dtype=torch.uint8)
+    shape = dt.cache_shape(num_blocks, block_size, hkv, d)
+    raw = torch.empty(torch.Size(shape).numel() * dt.itemsize, dtype=torch.uint8)
     raw[0::2], raw[1::2] = stale or STALE_BYTES[dt.itemsize]
-    kv = raw.view(dt.storage).view(num_blocks, 2, block_size, hkv, d)
+    kv = raw.view(dt.storage).view(shape)
     scale_cache = torch.full((num_blocks, 2, block_size, hkv), float("nan")) if dt.dynamic else None
     k_scale, v_scale = static_scales(name, granularity, hkv, d, g)
     layer = PagedLayer(kv, dt, k_scale, v_scale, scale_cache, rotate, window)
