@@ -58,13 +58,18 @@ class _Scorer:
         self.layout = attention_layout(engine.model)
         self.all_layers = [d["layer_idx"] for d in self.layout]
         self.scales = _scales(cal)
+        self.clips = {c.layer: (c.k_clip, c.v_clip) for c in cal.clips or []}
         self.base_nll: list[float] = []
         self.num_tokens = sum(len(w) - 1 for w in windows)
 
     def use(self, quantized: set[int]) -> None:
         skip = [i for i in self.all_layers if i not in quantized] or None
         specs = build_layer_specs(self.layout, self.cal.kv_dtype.name, self.engine.dtype, skip, self.cal.rotation)
-        self.engine.replace_kv_cache(specs, {i: s for i, s in self.scales.items() if i in quantized})
+        self.engine.replace_kv_cache(
+            specs,
+            {i: s for i, s in self.scales.items() if i in quantized},
+            {i: c for i, c in self.clips.items() if i in quantized},
+        )
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         return prefill_logits(self.engine, ids)[:-1]

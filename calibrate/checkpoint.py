@@ -6,6 +6,8 @@
   ``[num_kv_heads]`` per head) in ``kv_cache_scales.safetensors``.
 * int8: vLLM has no static int8 KV cache, so the scales go in qkv's own section
   ``config.json["qkv_kv_cache"]`` and ``qkv_kv_scales.safetensors``.
+* the per-token 4-bit modes: their clipping ratios (``<attn>.k_clip`` / ``v_clip``, one fp32 value per
+  layer) in the qkv section and file; vLLM computes its per-token scales without ratios.
 * qkv extensions (``channel`` scales, ``rotation: hadamard``): also only the qkv
   section, for fp8 too, because vLLM would load such scales without applying
   them correctly. Auto-skip's layers are recorded in the qkv section; an
@@ -30,7 +32,7 @@ from safetensors.torch import save_file
 
 from qkv.scales import QKV_SCALES_FILE, QKV_SECTION
 
-from .report import calibration_record
+from .report import calibration_record, scale_convention
 from .run import Calibration
 
 __all__ = [
@@ -135,6 +137,9 @@ def attention_prefixes(weight_names, num_layers: int) -> dict[int, str]:
 
 def _scale_tensors(cal: Calibration, prefixes: dict[int, str]) -> dict[str, torch.Tensor]:
     out = {}
+    for c in cal.clips or []:
+        out[f"{prefixes[c.layer]}.k_clip"] = torch.tensor([c.k_clip], dtype=torch.float32)
+        out[f"{prefixes[c.layer]}.v_clip"] = torch.tensor([c.v_clip], dtype=torch.float32)
     for r in cal.layers:
         shape = {"head": (r.num_kv_heads,), "channel": (r.num_kv_heads, -1)}.get(cal.strategy, (1,))
         out[f"{prefixes[r.layer]}.k_scale"] = r.k_scale.to(torch.float32).reshape(shape).contiguous()
@@ -147,20 +152,29 @@ def vllm_readable(cal: Calibration) -> bool:
     return cal.kind == "float" and cal.strategy in ("tensor", "head") and not cal.rotation
 
 
+def _num_bits(cal: Calibration) -> int | str:
+    """8, or for the 4-bit modes their K/V widths (``4`` or ``"8/4"``)."""
+    dt = cal.kv_dtype
+    if not dt.packed:
+        return 8
+    k, v = dt.side_bits(0), dt.side_bits(1)
+    return 4 if k == v else f"{k}/{v}"
+
+
 def qkv_section(cal: Calibration, scales_file: str) -> dict:
     return {
         "type": cal.kind,
-        "num_bits": 8,
+        "num_bits": _num_bits(cal),
+        "kv_cache_dtype": cal.kv_dtype.name,
         "strategy": cal.strategy,
         "symmetric": True,
-        "dynamic": False,
+        "dynamic": cal.kv_dtype.dynamic,
         "rotation": cal.rotation or "none",
         "skip_layers": list(cal.skip_layers or []),
         "scales_file": scales_file,
         "scale_dtype": "float32",
-        "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}"
-        + ("; on Hadamard-rotated K/V" if cal.rotation else ""),
-        "format_version": 2,
+        "scale_convention": scale_convention(cal) + ("; on Hadamard-rotated K/V" if cal.rotation else ""),
+        "format_version": 3,
         "vllm_readable": vllm_readable(cal),
         "calibration": CALIBRATION_FILE,
     }
@@ -192,7 +206,7 @@ def _config(src_config: dict, cal: Calibration) -> dict:
 def write_scales_file(cal: Calibration, path: str | Path) -> Path:
     """Only the scales, as one self-describing ``.safetensors`` file (``--kv-scales FILE``)."""
     path = Path(path)
-    save_file(_scale_tensors(cal, attention_prefixes([], len(cal.layers))), str(path), metadata=_file_meta(cal))
+    save_file(_scale_tensors(cal, attention_prefixes([], cal.num_layers)), str(path), metadata=_file_meta(cal))
     return path
 
 
@@ -202,16 +216,22 @@ def _file_meta(cal: Calibration) -> dict[str, str]:
     return {
         "format": "pt",
         "type": cal.kind,
-        "num_bits": "8",
+        "num_bits": str(_num_bits(cal)),
+        "kv_cache_dtype": cal.kv_dtype.name,
         "strategy": strategy,
         "rotation": cal.rotation or "none",
         "skip_layers": ",".join(map(str, cal.skip_layers or [])),
-        "scale_convention": f"q = x / scale; scale = amax / {cal.kv_dtype.qmax:g}",
+        "scale_convention": scale_convention(cal),
     }
 
 
 def vllm_note(cal: Calibration) -> str:
     """Why vLLM cannot use these scales as they are (empty when it can)."""
+    if cal.clips is not None:
+        return (
+            f"clipping ratios are a qkv extension: vLLM's {cal.kv_dtype.name} (where it has one) computes "
+            "unclipped per-token scales"
+        )
     if cal.kind == "int":
         return "vLLM has no static int8 KV cache; it loads these weights but not the int8 scales"
     if cal.rotation:
@@ -249,7 +269,7 @@ def write_checkpoint(cal: Calibration, out: str | Path, weights: str = "link", o
         if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED:
             shutil.copy2(f, out / f.name)
     weight_map = _write_weights(src, out, weights)
-    num_layers = len(cal.layers)
+    num_layers = cal.num_layers
     tensors = _scale_tensors(cal, attention_prefixes(weight_map, num_layers))
     clash = sorted(set(tensors) & set(weight_map))
     if clash:

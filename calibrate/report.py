@@ -49,7 +49,7 @@ def calibration_record(cal: Calibration, output: dict | None = None) -> dict:
         "skip_layers": list(cal.skip_layers or []),
         "auto_skip": cal.sensitivity,
         "fold": cal.fold,
-        "scale_convention": f"q = x / scale; scale = amax / {dt.qmax:g}",
+        "scale_convention": scale_convention(cal),
         "observed": "K after RoPE (and k_norm), V as projected: the tensors the paged cache stores",
         "versions": versions(),
         "wall_time_s": round(cal.wall_time_s, 3),
@@ -75,7 +75,25 @@ def calibration_record(cal: Calibration, output: dict | None = None) -> dict:
             }
             for r in cal.layers
         ],
+        "clips": [
+            {
+                "layer": c.layer,
+                "k": {"clip": c.k_clip, "mse": c.k_mse, "mse_unclipped": c.k_mse_unclipped},
+                "v": {"clip": c.v_clip, "mse": c.v_mse, "mse_unclipped": c.v_mse_unclipped},
+            }
+            for c in cal.clips or []
+        ],
     }
+
+
+def scale_convention(cal: Calibration) -> str:
+    """How the stored numbers make a cache scale, in words (checkpoint metadata and calibration.json)."""
+    dt = cal.kv_dtype
+    if cal.clips is not None:
+        qmax = "/".join(f"{dt.side_qmax(kv):g}" for kv in (0, 1)) if dt.side_qmax(0) != dt.side_qmax(1) else None
+        q = f"{qmax} (K/V)" if qmax else f"{dt.side_qmax(0):g}"
+        return f"q = x / scale; scale = amax(token, head) / {q} * clip (clip per layer and side)"
+    return f"q = x / scale; scale = amax / {dt.qmax:g}"
 
 
 def _fmt(t) -> str:
@@ -87,6 +105,8 @@ def _fmt(t) -> str:
 
 def summary_table(cal: Calibration) -> str:
     """Plain-text table, one row per layer (per-head values shown as min..max)."""
+    if cal.clips is not None:
+        return _clip_table(cal)
     head = f"{'layer':>5}  {'K amax':>15} {'K scale':>17} {'K clip':>8}  {'V amax':>15} {'V scale':>17} {'V clip':>8}"
     lines = [head, "-" * len(head)]
     for r in cal.layers:
@@ -94,13 +114,26 @@ def summary_table(cal: Calibration) -> str:
             f"{r.layer:>5}  {_fmt(r.k_amax):>15} {_fmt(r.k_scale):>17} {100 * r.k_clip_rate:>7.3f}%  "
             f"{_fmt(r.v_amax):>15} {_fmt(r.v_scale):>17} {100 * r.v_clip_rate:>7.3f}%"
         )
+    return "\n".join([*lines, _footer(cal)])
+
+
+def _clip_table(cal: Calibration) -> str:
+    head = f"{'layer':>5}  {'K clip':>7} {'K MSE vs 1.0':>13}  {'V clip':>7} {'V MSE vs 1.0':>13}"
+    lines = [head, "-" * len(head)]
+    for c in cal.clips or []:
+        k = c.k_mse / c.k_mse_unclipped if c.k_mse_unclipped else 1.0
+        v = c.v_mse / c.v_mse_unclipped if c.v_mse_unclipped else 1.0
+        lines.append(f"{c.layer:>5}  {c.k_clip:>7.3f} {k:>12.3f}x  {c.v_clip:>7.3f} {v:>12.3f}x")
+    return "\n".join([*lines, _footer(cal)])
+
+
+def _footer(cal: Calibration) -> str:
     obs = cal.observer.get("observer")
     if cal.observer.get("percentile") is not None:
         obs += f" (P{cal.observer['percentile']:g})"
     src = cal.samples_info.get("source", "?")
     rot = f" / rotation {cal.rotation}" if cal.rotation else ""
-    lines.append(
+    return (
         f"{cal.model}: {cal.kv_dtype.name} / {cal.strategy}{rot} / {obs}; {cal.num_samples} samples, "
         f"{cal.num_tokens:,} tokens ({src}); {cal.wall_time_s:.1f} s"
     )
-    return "\n".join(lines)

@@ -1,5 +1,8 @@
 """Calibration proper: run samples through the engine, observe the K/V the cache would store, pick scales.
 
+The per-token 4-bit modes need no scales; for them calibration chooses clipping ratios
+(:mod:`qkv.calibrate.clipping`) from the same observed tensors.
+
 This module only observes and computes; :mod:`qkv.calibrate.checkpoint` writes
 the result (gpt-fast's split between calibrating and converting).
 
@@ -21,6 +24,7 @@ from tqdm.auto import tqdm
 
 from qkv.config import EngineConfig
 from qkv.kernels.quant import (
+    PACKED_CACHE_DTYPES,
     ROTATIONS,
     STATIC_CACHE_DTYPES,
     CacheDtype,
@@ -32,6 +36,7 @@ from qkv.llm import LLM
 from qkv.options import option, validate_options
 from qkv.scoring import prefill_logits
 
+from .clipping import LayerClip, choose_clips, observe_clip_errors
 from .data import PACKINGS, RawData, Samples, build_samples
 from .observers import OBSERVER_NAMES, MinMax, Observer, make_observer, scales_from_amax
 from .selfgen import GEN_BATCH, generate_samples
@@ -54,8 +59,12 @@ __all__ = [
 logger = logging.getLogger("qkv")
 
 STRATEGIES = ("tensor", "head", "channel")
-# Static scales are calibrated for e4m3 and int8; e5m2's range needs none (vLLM keeps it at 1.0).
-CALIBRATED_DTYPES = tuple(n for n in STATIC_CACHE_DTYPES if resolve_cache_dtype(n).name != "fp8_e5m2")
+# Static scales are calibrated for e4m3 and int8; e5m2's range needs none (vLLM keeps it at 1.0). The 4-bit
+# per-token modes get clipping ratios.
+CALIBRATED_DTYPES = (
+    *(n for n in STATIC_CACHE_DTYPES if resolve_cache_dtype(n).name != "fp8_e5m2"),
+    *PACKED_CACHE_DTYPES,
+)
 
 
 @dataclass
@@ -93,6 +102,7 @@ class Calibration:
     skip_layers: list[int] | None = None  # auto-skip's choice of BF16 layers
     sensitivity: dict | None = None  # auto-skip's per-layer measurements
     fold: dict | None = None  # export-vllm --fold: what was folded into the weights before these scales
+    clips: list[LayerClip] | None = None  # per-token 4-bit modes: the ratios chosen instead of scales (no layers)
     date: str = field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     )
@@ -100,6 +110,10 @@ class Calibration:
     @property
     def kind(self) -> str:
         return self.kv_dtype.kind  # "float" (fp8) or "int" (int8)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.clips) if self.clips is not None else len(self.layers)
 
 
 def resolve_target(kv_cache_dtype: str, strategy: str, observer: str = "minmax") -> CacheDtype:
@@ -115,7 +129,12 @@ def resolve_target(kv_cache_dtype: str, strategy: str, observer: str = "minmax")
     if kv_cache_dtype not in CALIBRATED_DTYPES:
         raise ValueError(
             f"--kv-cache-dtype {kv_cache_dtype}: calibration makes static scales for fp8 "
-            f"(e4m3) or int8; {dt.name} needs none"
+            f"(e4m3) or int8, or clipping ratios for the 4-bit per-token modes; {dt.name} needs none"
+        )
+    if dt.dynamic and (strategy != "tensor" or observer not in ("minmax", "mse")):
+        raise ValueError(
+            f"--kv-cache-dtype {dt.name} computes a scale per token; calibration chooses one clipping ratio per "
+            f"layer for K and for V by round-trip MSE, so --strategy and --observer do not apply"
         )
     return dt
 
@@ -223,7 +242,11 @@ class CalibrationSpec:
     """What to calibrate and on how much data: ``qkv calibrate``'s flags and :func:`calibrate`'s keywords, whose
     defaults are written here once. Checked when built, before any model loads."""
 
-    kv_cache_dtype: str = option("fp8", "cache dtype the scales are for (fp8 = e4m3)", choices=CALIBRATED_DTYPES)
+    kv_cache_dtype: str = option(
+        "fp8",
+        "cache dtype the scales are for (fp8 = e4m3); for the 4-bit per-token modes, the clipping ratios",
+        choices=CALIBRATED_DTYPES,
+    )
     strategy: str = option(
         "tensor",
         "one scale per layer for K and for V, one per kv head (compressed-tensors attn_head), "
@@ -301,18 +324,25 @@ def calibrate(
         else:
             samples = generate_samples(llm, num_samples, seq_len, seed, progress)
     t1 = time.perf_counter()
-    stats = observe(
-        engine, samples.chunks, reservoir=obs.reservoir, seed=seed, progress=progress, rotations=(rotation,)
-    )
-    layers = choose_scales(stats, obs, dt, strategy)
+    clips, layers = None, []
+    if dt.dynamic:
+        rot = None if rotation == "none" else rotation
+        clips = choose_clips(observe_clip_errors(engine, samples.chunks, dt, rot, progress))
+        strategy, described = "token_head", {"observer": "mse", "objective": "round-trip MSE per layer and side"}
+    else:
+        stats = observe(
+            engine, samples.chunks, reservoir=obs.reservoir, seed=seed, progress=progress, rotations=(rotation,)
+        )
+        layers, described = choose_scales(stats, obs, dt, strategy), obs.describe()
     t2 = time.perf_counter()
     return Calibration(
         model=model,
         model_path=engine.model_path,
         kv_dtype=dt,
         strategy=strategy,
-        observer=obs.describe(),
+        observer=described,
         layers=layers,
+        clips=clips,
         samples_info=samples.info,
         num_samples=len(samples.chunks),
         num_tokens=samples.num_tokens,

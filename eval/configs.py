@@ -6,9 +6,10 @@ Grammar of one configuration (configurations are separated by commas)::
 
 * ``DTYPE`` is any ``--kv-cache-dtype`` of the engine: ``bf16``/``bfloat16``/``auto``,
   ``fp8`` (= ``fp8_e4m3``), ``fp8_e5m2``, ``int8`` (needs scales),
-  ``fp8_per_token_head``, ``int8_per_token_head``.
+  ``fp8_per_token_head``, ``int8_per_token_head``, ``int4_per_token_head``, ``k8v4_per_token_head``.
 * ``SCALES_DIR`` is a calibrated checkpoint directory or scales file
-  (``qkv calibrate -o``), passed to the engine as ``kv_scales``.
+  (``qkv calibrate -o``), passed to the engine as ``kv_scales``: static scales, or for the 4-bit
+  per-token modes their clipping ratios.
 * ``LAYERS`` are ``sliding_window`` and/or layer indices separated by ``/`` or
   ``;`` (a comma would end the configuration), e.g. ``+skip=sliding_window/0/17``;
   ``+skip=none`` quantizes every layer even when the checkpoint records auto-skip layers.
@@ -174,8 +175,8 @@ def parse_config(spec: str) -> EvalConfig | ServerConfig:
     dtype = _dtype(name.strip().lower(), spec)
     scales_dir = scales.strip() or None
     if scales_dir is not None:
-        if not _cd(dtype).quantized or _cd(dtype).dynamic:
-            raise ConfigError(f"configuration {spec!r}: {dtype} takes no static scales")
+        if not _cd(dtype).quantized or (_cd(dtype).dynamic and not _cd(dtype).packed):
+            raise ConfigError(f"configuration {spec!r}: {dtype} takes no static scales or clipping ratios")
         if not Path(scales_dir).exists():
             raise ConfigError(f"configuration {spec!r}: scales {scales_dir} do not exist")
     if skip is not None and not _cd(dtype).quantized:

@@ -12,6 +12,10 @@ Sources, in the order vLLM remaps them:
 * a bare ``.safetensors`` file (``--kv-scales FILE``) whose ``__metadata__`` carries
   ``type`` (``float``/``int``) and ``strategy``; without it, fp8 is assumed.
 
+The per-token modes need no scales, but a calibrated 4-bit cache carries *clipping ratios*
+(``qkv calibrate --kv-cache-dtype int4_per_token_head``): ``self_attn.k_clip`` / ``v_clip`` tensors of one
+value per layer, in the same files and section, whose ``kv_cache_dtype`` names the mode they were chosen for.
+
 qkv's extensions travel in the same metadata: ``strategy: channel`` (``[Hkv, D]``
 scales), ``rotation: hadamard`` (scales of rotated K/V) and ``skip_layers``
 (layers auto-skip chose to keep in BF16). Scales only fit the basis they were
@@ -48,7 +52,7 @@ logger = logging.getLogger("qkv")
 
 QKV_SECTION = "qkv_kv_cache"
 QKV_SCALES_FILE = "qkv_kv_scales.safetensors"
-_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:(?:k_proj|v_proj)\.)?(k_scale|v_scale|kv_scale)$")
+_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:(?:k_proj|v_proj)\.)?(k_scale|v_scale|kv_scale|k_clip|v_clip)$")
 _warned: set[str] = set()
 
 
@@ -64,6 +68,9 @@ class KVScales:
     meta: dict = field(default_factory=dict)
     rotation: str | None = None  # "hadamard" when calibrated on rotated K/V
     skip_layers: list | None = None  # layers the calibration chose to keep in BF16
+    k_clip: dict[int, float] = field(default_factory=dict)  # per-token modes: clipping ratio per layer
+    v_clip: dict[int, float] = field(default_factory=dict)
+    clip_dtype: str | None = None  # the per-token mode the ratios were chosen for
 
 
 def _warn_once(msg: str) -> None:
@@ -108,10 +115,12 @@ def _read_config(path: Path, flag: str) -> dict:
     return config
 
 
-def _read_tensors(f: Path, flag: str, path: Path, want_meta: bool) -> tuple[dict, dict, dict]:
-    """K and V scale tensors of one safetensors file (and its metadata); a corrupt file names the flag and file."""
+def _read_tensors(f: Path, flag: str, path: Path, want_meta: bool) -> tuple[dict, dict, dict, dict]:
+    """K and V scale tensors of one safetensors file, its clipping ratios (``{"k": {layer: t}, "v": ...}``) and
+    its metadata; a corrupt file names the flag and file."""
     k: dict[int, torch.Tensor] = {}
     v: dict[int, torch.Tensor] = {}
+    clips: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
     try:
         with safe_open(str(f), framework="pt") as fh:
             meta = dict(fh.metadata() or {}) if want_meta else {}
@@ -121,6 +130,8 @@ def _read_tensors(f: Path, flag: str, path: Path, want_meta: bool) -> tuple[dict
                     continue
                 layer, which = int(m.group(1)), m.group(2)
                 t = fh.get_tensor(name).to(torch.float32).reshape(-1)
+                if which in ("k_clip", "v_clip"):
+                    clips[which[0]][layer] = t
                 if which in ("k_scale", "kv_scale"):
                     k[layer] = t
                 if which in ("v_scale", "kv_scale"):
@@ -128,7 +139,7 @@ def _read_tensors(f: Path, flag: str, path: Path, want_meta: bool) -> tuple[dict
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, torch's dtype errors: all say "bad file"
         where = f"{flag} {path}" + ("" if f == path else f": {f}")
         raise ValueError(f"{where}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    return k, v, meta
+    return k, v, clips, meta
 
 
 def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | None:
@@ -144,14 +155,17 @@ def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | No
     scheme, section = _scheme(config)
     k: dict[int, torch.Tensor] = {}
     v: dict[int, torch.Tensor] = {}
+    clips: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
     file_meta: dict = {}
     for f in _tensor_files(path, section):
         # a bare scales file describes itself in its safetensors metadata
-        fk, fv, meta = _read_tensors(f, flag, path, want_meta=path.is_file())
+        fk, fv, fc, meta = _read_tensors(f, flag, path, want_meta=path.is_file())
         k.update(fk)
         v.update(fv)
+        clips["k"].update(fc["k"])
+        clips["v"].update(fc["v"])
         file_meta = meta or file_meta
-    if not k and not v:
+    if not k and not v and not clips["k"] and not clips["v"]:
         return None
     src = section or scheme or file_meta
     kind = src.get("type", "float")
@@ -165,7 +179,15 @@ def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | No
     if isinstance(skip, str):  # safetensors metadata holds strings: "3,7" / "sliding_window,3"
         skip = [x for x in skip.replace(",", " ").split()]
     skip = [int(x) if str(x).isdigit() else x for x in skip] if skip else None
-    return KVScales(kind, strategy, k, v, str(path), meta, rotation, skip)
+    k_clip, v_clip = ({i: _clip(t, flag, path) for i, t in clips[side].items()} for side in "kv")
+    clip_dtype = src.get("kv_cache_dtype") if k_clip or v_clip else None
+    return KVScales(kind, strategy, k, v, str(path), meta, rotation, skip, k_clip, v_clip, clip_dtype)
+
+
+def _clip(t: torch.Tensor, flag: str, path: Path) -> float:
+    if t.numel() != 1 or not 0.0 < float(t) <= 1.0:
+        raise ValueError(f"{flag} {path}: a clipping ratio must be one value in (0, 1], got {t.tolist()}")
+    return float(t)
 
 
 def _check(scales: KVScales, specs: list[LayerSpec]) -> None:
@@ -202,7 +224,10 @@ KV_ROTATION_CHOICES = ("auto", *ROTATIONS)
 
 
 def _load(model_path: Path, kv_scales: str | None) -> KVScales | None:
+    """Static scales (a file of clipping ratios alone has none)."""
     scales = read_kv_scales(kv_scales) if kv_scales is not None else read_kv_scales(model_path, "model")
+    if scales is not None and not scales.k and not scales.v:
+        scales = None
     if kv_scales is not None and scales is None:
         raise ValueError(f"--kv-scales {kv_scales} holds no k_scale/v_scale tensors")
     return scales
@@ -237,8 +262,9 @@ def resolve_kv_cache(
     kv_scales: str | None = None,
     skip_layers=None,
     rotation: str | None = "auto",
-) -> tuple[list[LayerSpec], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """Every layer's cache spec and static scales, from the flags and what the checkpoint carries.
+) -> tuple[list[LayerSpec], dict[int, tuple[torch.Tensor, torch.Tensor]], dict[int, tuple[float, float]]]:
+    """Every layer's cache spec, static scales and (per-token modes) clipping ratios, from the flags and what the
+    checkpoint carries.
 
     A statically scaled dtype reads the checkpoint's scales first, because they
     decide the defaults: ``--kv-rotation auto`` takes their rotation and, when no
@@ -248,13 +274,46 @@ def resolve_kv_cache(
     from .layer_specs import build_layer_specs
 
     dt = resolve_cache_dtype(kv_cache_dtype, model_dtype)
-    scales = _load(model_path, kv_scales) if dt.quantized and not dt.dynamic else None
+    scales = None
+    if dt.quantized and not dt.dynamic:
+        scales = _load(model_path, kv_scales)
+    elif dt.dynamic:
+        scales = _load_clips(model_path, kv_scales, dt.name)
     rot = _rotation(rotation, scales)
     if skip_layers is None and scales is not None and scales.skip_layers:
         skip_layers = scales.skip_layers
         logger.info("keeping layers %s in BF16, as chosen at calibration (%s)", skip_layers, scales.source)
     specs = build_layer_specs(layout, kv_cache_dtype, model_dtype, skip_layers, rot)
-    return specs, resolve_scales(specs, model_path, kv_scales, kv_cache_dtype, scales)
+    if dt.dynamic:
+        return specs, {}, _clips(specs, scales)
+    return specs, resolve_scales(specs, model_path, kv_scales, kv_cache_dtype, scales), {}
+
+
+def _load_clips(model_path: Path, kv_scales: str | None, name: str) -> KVScales | None:
+    """The clipping ratios chosen for per-token mode ``name``: ``--kv-scales`` must hold them; a model directory
+    may (ratios for another mode, or static scales, are not for this cache and are left alone)."""
+    scales = read_kv_scales(kv_scales) if kv_scales is not None else read_kv_scales(model_path, "model")
+    found = scales is not None and scales.clip_dtype == name
+    if kv_scales is not None and not found:
+        have = f"ratios for {scales.clip_dtype}" if scales is not None and scales.clip_dtype else "no clipping ratios"
+        raise ValueError(
+            f"--kv-scales {kv_scales} holds {have}; --kv-cache-dtype {name} computes its scales per token and reads "
+            f"only clipping ratios calibrated for it (`qkv calibrate --kv-cache-dtype {name}`)"
+        )
+    return scales if found else None
+
+
+def _clips(specs: list[LayerSpec], scales: KVScales | None) -> dict[int, tuple[float, float]]:
+    """``{layer: (k_clip, v_clip)}`` for the per-token layers; every layer of the model must have both."""
+    if scales is None:
+        return {}
+    n = len(specs)
+    if sorted(scales.k_clip) != list(range(n)) or sorted(scales.v_clip) != list(range(n)):
+        raise ValueError(
+            f"clipping ratios in {scales.source} cover {len(scales.k_clip)} / {len(scales.v_clip)} layers (K / V) "
+            f"but the model has {n} layers"
+        )
+    return {s.layer_idx: (scales.k_clip[s.layer_idx], scales.v_clip[s.layer_idx]) for s in specs if s.dtype.dynamic}
 
 
 def resolve_scales(

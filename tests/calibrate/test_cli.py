@@ -169,3 +169,71 @@ def test_bad_flags(capsys, tiny_dir, corpus, tmp_path):
         capsys, m, "--dataset", corpus, "--seq-len", 4096, "--num-samples", 1, "-o", tmp_path / "o"
     )
     assert not Path(tmp_path / "o").exists()
+
+
+def test_cli_calibrates_clipping_ratios_for_a_4bit_cache(capsys, tiny_dir, corpus, tmp_path):
+    """int4_per_token_head: one ratio per layer and side in the qkv section and file; the engine applies them
+    when it runs that dtype (the rotation following the checkpoint), and another per-token mode does not."""
+    from safetensors import safe_open
+
+    from qkv import LLM
+
+    out = tmp_path / "int4"
+    rc, stdout, _ = _run(
+        capsys,
+        tiny_dir("llama"),
+        "--dataset",
+        corpus,
+        "--num-samples",
+        3,
+        "--seq-len",
+        48,
+        "--kv-cache-dtype",
+        "int4_per_token_head",
+        "--kv-rotation",
+        "hadamard",
+        "-o",
+        out,
+        "--no-progress",
+    )
+    assert rc == 0 and "K MSE vs 1.0" in stdout and "int4_per_token_head / token_head / rotation hadamard" in stdout
+    section = json.loads((out / "config.json").read_text())["qkv_kv_cache"]
+    assert (section["kv_cache_dtype"], section["num_bits"], section["dynamic"]) == ("int4_per_token_head", 4, True)
+    assert section["rotation"] == "hadamard" and "quantization_config" not in json.loads(
+        (out / "config.json").read_text()
+    )
+    with safe_open(str(out / "qkv_kv_scales.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+        clips = {n: float(f.get_tensor(n)) for n in names}
+    assert names == sorted(f"model.layers.{i}.self_attn.{w}_clip" for i in range(3) for w in "kv")
+    rec = json.loads((out / "calibration.json").read_text())
+    assert rec["layers"] == [] and [c["layer"] for c in rec["clips"]] == [0, 1, 2]
+    for c in rec["clips"]:  # never worse than no clipping on the calibration tokens
+        for side in "kv":
+            assert c[side]["mse"] <= c[side]["mse_unclipped"]
+            assert c[side]["clip"] == clips[f"model.layers.{c['layer']}.self_attn.{side}_clip"]
+    engine = LLM(str(out), kv_cache_dtype="int4_per_token_head", num_blocks=16).llm_engine
+    for i, layer in enumerate(engine.cache.layers):
+        assert (layer.k_clip, layer.v_clip) == (
+            clips[f"model.layers.{i}.self_attn.k_clip"],
+            clips[f"model.layers.{i}.self_attn.v_clip"],
+        )
+        assert layer.rotate
+    other = LLM(str(out), kv_cache_dtype="int8_per_token_head", num_blocks=16).llm_engine
+    assert all((layer.k_clip, layer.v_clip, layer.rotate) == (1.0, 1.0, False) for layer in other.cache.layers)
+    with pytest.raises(ValueError, match="holds ratios for int4_per_token_head; --kv-cache-dtype k8v4_per_token_head"):
+        LLM(str(tiny_dir("llama")), kv_cache_dtype="k8v4_per_token_head", kv_scales=str(out), num_blocks=16)
+    with pytest.raises(ValueError, match="holds no k_scale/v_scale tensors"):
+        LLM(str(tiny_dir("llama")), kv_cache_dtype="fp8", kv_scales=str(out), num_blocks=16)
+    assert "--strategy and --observer do not apply" in _error(
+        capsys,
+        tiny_dir("llama"),
+        "--dataset",
+        corpus,
+        "--kv-cache-dtype",
+        "int4_per_token_head",
+        "--strategy",
+        "head",
+        "-o",
+        tmp_path / "x",
+    )

@@ -89,7 +89,7 @@ def test_checkpoint_metadata_for_extensions(ckpts):
         "channel",
         "hadamard",
         False,
-        2,
+        3,  # 3: the section names its kv_cache_dtype (the 4-bit modes' clipping ratios need it)
     )
     with safe_open(str(out / "qkv_kv_scales.safetensors"), framework="pt") as fh:
         assert fh.metadata()["rotation"] == "hadamard" and fh.metadata()["strategy"] == "channel"
@@ -365,8 +365,8 @@ def test_eval_search_recommends_the_smallest_within_budget(llama, tmp_path, caps
     assert main(args + ["--max-ppl-delta", "1000%"]) == 0
     rec = json.loads((rep / "search.json").read_text())
     labels = [r["config"] for r in rec["ranked"]]
-    assert len(labels) == 1 + 12 + 4 and "fp8:fp8-channel-hadamard" in labels
-    assert "int8_per_token_head+rot=hadamard" in labels
+    assert len(labels) == 1 + 12 + 8 and "fp8:fp8-channel-hadamard" in labels  # 4 per-token modes x 2 rotations
+    assert "int8_per_token_head+rot=hadamard" in labels and "int4_per_token_head+rot=hadamard" in labels
     static = [
         r for r in rec["ranked"] if r["kv_bytes_per_token"] == min(x["kv_bytes_per_token"] for x in rec["ranked"])
     ]
