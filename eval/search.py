@@ -52,7 +52,9 @@ def _one_name_each(names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 DYNAMIC = DYNAMIC_CACHE_DTYPES
-STATIC_DTYPES = _one_name_each(CALIBRATED_DTYPES)
+# the static dtypes of the grid (calibration also makes clipping ratios for the 4-bit per-token modes, which the
+# grid evaluates uncalibrated, with the other per-token modes)
+STATIC_DTYPES = _one_name_each(tuple(n for n in CALIBRATED_DTYPES if not resolve_cache_dtype(n).dynamic))
 
 
 @dataclass

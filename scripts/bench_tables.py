@@ -32,7 +32,8 @@ def throughput(rep: dict) -> list[str]:
         f"Fixed KV budget: {p['num_requests']} requests x {p['prompt_len']} prompt tokens, {p['output_len']} output "
         f"tokens, `--kv-cache-memory {rep['engine'].get('kv_cache_memory')}` ({_env(rep)}):",
         "",
-        "| kv-cache dtype | KV budget (tokens) | output tok/s | ratio to bf16 | preemptions | peak running |",
+        f"| kv-cache dtype | KV budget (tokens) | output tok/s | ratio to {rep['baseline']} | preemptions "
+        "| peak running |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for label, r in rep["results"].items():
@@ -150,6 +151,9 @@ def main(argv: list[str]) -> int:
         ("decode16_smollm2.json", latency),
         ("prefix_smollm2.json", prefix),
         ("prefix_offload_smollm2.json", prefix),
+        ("throughput_4bit_smollm2.json", throughput),
+        ("throughput_4bit_fitsall_smollm2.json", throughput),
+        ("decode16_4bit_smollm2.json", latency),
     ):
         rep = _load(folder, name)
         if rep is not None:

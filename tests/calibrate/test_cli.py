@@ -179,23 +179,8 @@ def test_cli_calibrates_clipping_ratios_for_a_4bit_cache(capsys, tiny_dir, corpu
     from qkv import LLM
 
     out = tmp_path / "int4"
-    rc, stdout, _ = _run(
-        capsys,
-        tiny_dir("llama"),
-        "--dataset",
-        corpus,
-        "--num-samples",
-        3,
-        "--seq-len",
-        48,
-        "--kv-cache-dtype",
-        "int4_per_token_head",
-        "--kv-rotation",
-        "hadamard",
-        "-o",
-        out,
-        "--no-progress",
-    )
+    flags = "--num-samples 3 --seq-len 48 --kv-cache-dtype int4_per_token_head --kv-rotation hadamard --no-progress"
+    rc, stdout, _ = _run(capsys, tiny_dir("llama"), "--dataset", corpus, "-o", out, *flags.split())
     assert rc == 0 and "K MSE vs 1.0" in stdout and "int4_per_token_head / token_head / rotation hadamard" in stdout
     section = json.loads((out / "config.json").read_text())["qkv_kv_cache"]
     assert (section["kv_cache_dtype"], section["num_bits"], section["dynamic"]) == ("int4_per_token_head", 4, True)
