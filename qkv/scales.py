@@ -277,7 +277,7 @@ def resolve_kv_cache(
     scales = None
     if dt.quantized and not dt.dynamic:
         scales = _load(model_path, kv_scales)
-    elif dt.dynamic:
+    elif dt.packed:  # only the 4-bit per-token modes are calibrated (clipping ratios); the others read nothing
         scales = _load_clips(model_path, kv_scales, dt.name)
     rot = _rotation(rotation, scales)
     if skip_layers is None and scales is not None and scales.skip_layers:
