@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from .compiled import paged_attention
 from .kernels.cpu_attention import CpuKernels
 from .kernels.cpu_build import KernelBuildError
 from .kernels.paged import AttentionBackend, StepMetadata
@@ -45,6 +46,17 @@ class StepContext:
     backend: AttentionBackend
     meta: StepMetadata
     observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+
+    def attend_layer(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """Write this step's ``[T, Hkv, D]`` keys and values of one layer into its cache, then attend over it with
+        the ``[T, H, D]`` queries (write-then-attend): the eager and the compiled forward both come here."""
+        layer = self.cache.layers[layer_idx]
+        if self.observer is not None:
+            self.observer(layer_idx, k, v)
+        self.backend.write(layer, k, v, self.meta)
+        return self.backend.attend(layer, q, self.meta, scaling)
 
 
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
@@ -110,23 +122,25 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Write this step's K/V into the paged cache, then attend over it (write-then-attend)."""
-    ctx: StepContext | None = kwargs.get("qkv_ctx")
-    if ctx is None:
-        raise RuntimeError("qkv_paged attention called without a qkv_ctx; run the model through qkv's runner")
+    """Write this step's K/V into the paged cache, then attend over it (write-then-attend).
+
+    Eagerly the step's context comes as ``qkv_ctx=``; under ``torch.compile`` (:mod:`qkv.compiled`) the layer is
+    one opaque op that reads the context the runner set, so the graph does not trace the context object."""
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by qkv_paged")
-    layer = ctx.cache.layers[module.layer_idx]
+    if scaling is None:
+        scaling = module.head_dim**-0.5 if hasattr(module, "head_dim") else query.shape[-1] ** -0.5
     # [1, H, T, D] -> [T, H, D]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    if ctx.observer is not None:
-        ctx.observer(module.layer_idx, k, v)
-    ctx.backend.write(layer, k, v, ctx.meta)
-    if scaling is None:
-        scaling = module.head_dim**-0.5 if hasattr(module, "head_dim") else q.shape[-1] ** -0.5
-    out = ctx.backend.attend(layer, q, ctx.meta, scaling)
+    if torch.compiler.is_compiling():
+        out = paged_attention(q, k, v, module.layer_idx, float(scaling))
+    else:
+        ctx: StepContext | None = kwargs.get("qkv_ctx")
+        if ctx is None:
+            raise RuntimeError("qkv_paged attention called without a qkv_ctx; run the model through qkv's runner")
+        out = ctx.attend_layer(module.layer_idx, q, k, v, scaling)
     return out.unsqueeze(0), None
 
 

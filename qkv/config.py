@@ -209,6 +209,12 @@ class EngineConfig:
         "attention: a request's tokens do not depend on what it is batched with, how its "
         "prefill is chunked or prefix-cache hits (slower)",
     )
+    compile_model: bool = option(
+        False,
+        "qkv extension: compile the model's decoder with torch.compile (inductor), attention and linears as "
+        "opaque ops, before the first request (about a minute the first time, cached on disk after); faster, "
+        "not bit-identical to transformers; falls back to eager with a warning where it cannot build",
+    )
     cpu_matmul_dtype: str = option(
         "auto",
         "qkv extension: what a 16-bit model's linear layers multiply in on a CPU: float32 (exact upcasts, "
@@ -244,6 +250,11 @@ class EngineConfig:
         validate_options(self)
         if not self.model:
             raise ValueError("model must be a registry name or a directory, got ''")
+        if self.compile_model and self.batch_invariant:
+            raise ValueError(
+                "compile_model and batch_invariant exclude each other: the compiled forward fuses operations "
+                "in an order of its own, so it cannot keep --batch-invariant's row-for-row arithmetic"
+            )
         if self.kv_offloading_dir is not None and self.kv_offloading_size is None:
             raise ValueError("kv_offloading_dir needs kv_offloading_size: the tier's cap in GiB")
         if self.kv_offloading_size is not None and not self.enable_prefix_caching:

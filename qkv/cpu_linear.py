@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch_invariant import BatchInvariantLinear
+from .compiled import onednn_linear
 
 __all__ = [
     "CPU_MATMUL_DTYPES",
@@ -145,22 +146,32 @@ class Fp32Linear:
         if self.onednn not in cached:
             cached[self.onednn] = _fp32_copies(model, self.onednn)
         self.linears: list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]] = cached[self.onednn]
+        # Made once per model and kept with the copies, so that every forward of every engine sharing the model
+        # sees the same functions: torch.compile's guards check them, and a new function would mean a recompile.
+        key = ("forwards", self.onednn, min_rows)
+        if key not in cached:
+            cached[key] = [functools.partial(self._forward, min_rows, self.onednn, *lin) for lin in self.linears]
+        self.forwards: list[Callable[[torch.Tensor], torch.Tensor]] = cached[key]
 
     def __enter__(self) -> Fp32Linear:
-        for m, w32, b32 in self.linears:
-            setattr(m, "forward", functools.partial(self._forward, m, w32, b32))  # noqa: B010 (an instance attribute)
+        for (m, _, _), forward in zip(self.linears, self.forwards):
+            setattr(m, "forward", forward)  # noqa: B010 (an instance attribute)
         return self
 
     def __exit__(self, *exc) -> None:
         for m, _, _ in self.linears:
             m.__dict__.pop("forward", None)
 
-    def _forward(self, m: torch.nn.Linear, w32: torch.Tensor, b32: torch.Tensor | None, x: torch.Tensor):
-        if x.numel() < self.min_rows * x.shape[-1]:
+    @staticmethod
+    def _forward(
+        min_rows: int, onednn: bool, m: torch.nn.Linear, w32: torch.Tensor, b32: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        # Under torch.compile the token count is a symbol without a value, so no branch on it: fp32 throughout.
+        if not torch.compiler.is_compiling() and x.numel() < min_rows * x.shape[-1]:
             return F.linear(x, m.weight, m.bias)
-        if not self.onednn:
+        if not onednn:
             return F.linear(x.float(), w32, b32).to(x.dtype)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).float(), w32, b32, "none", [], "")
+        y = _onednn(x.reshape(-1, x.shape[-1]).float(), w32, b32, m.out_features)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -178,10 +189,15 @@ class PackedLinear:
         if "packed" not in cached:
             cached["packed"] = _packed_copies(model)
         self.linears: list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]] = cached["packed"]
+        if "packed_forwards" not in cached:  # one set per model, as Fp32Linear's
+            cached["packed_forwards"] = [
+                functools.partial(self._forward, w, b, m.out_features) for m, w, b in self.linears
+            ]
+        self.forwards: list[Callable[[torch.Tensor], torch.Tensor]] = cached["packed_forwards"]
 
     def __enter__(self) -> PackedLinear:
-        for m, w, b in self.linears:
-            setattr(m, "forward", functools.partial(self._forward, w, b))  # noqa: B010 (an instance attribute)
+        for (m, _, _), forward in zip(self.linears, self.forwards):
+            setattr(m, "forward", forward)  # noqa: B010 (an instance attribute)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -189,9 +205,17 @@ class PackedLinear:
             m.__dict__.pop("forward", None)
 
     @staticmethod
-    def _forward(w: torch.Tensor, b: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, b, "none", [], "")
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+    def _forward(w: torch.Tensor, b: torch.Tensor | None, out_features: int, x: torch.Tensor) -> torch.Tensor:
+        y = _onednn(x.reshape(-1, x.shape[-1]), w, b, out_features)
+        return y.reshape(*x.shape[:-1], out_features)
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """oneDNN's inner product on a reordered weight: directly when eager, as an opaque op under torch.compile
+    (:mod:`qkv.compiled`; the custom op's dispatch would cost eager decode a few percent)."""
+    if torch.compiler.is_compiling():
+        return onednn_linear(x, w, b, out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 def _packed_copies(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]]:

@@ -102,7 +102,11 @@ class LLMEngine:
         self.cpu_matmul = resolve_cpu_matmul(config.cpu_matmul_dtype, self.dtype, self.device)
         self.matmul_fp32 = self.cpu_matmul == "float32"
         modes = linear_modes(self.model, self.cpu_matmul, config.batch_invariant)
-        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, modes)
+        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, modes, config.compile_model)
+        if self.runner.compiled is not None:
+            logger.info(
+                "compiled the model in %.1f s (torch.compile; cached for the next start)", self.runner.compiled.seconds
+            )
         self.stats = EngineStats()
         self.eos_token_ids = self._eos_ids()
         self._decoders = {skip: make_decoder(self.tokenizer, skip) for skip in (False, True)}

@@ -18,6 +18,7 @@ from functools import cached_property
 import torch
 
 from .attention import StepContext
+from .compiled import CompiledModel
 from .kernels.paged import AttentionBackend, StepMetadata
 from .kv_cache import KVCache
 from .scheduler import SchedulerOutput
@@ -120,14 +121,32 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         linear_modes: Sequence[Callable[[], contextlib.AbstractContextManager]] = (),
+        compile_model: bool = False,
     ) -> None:
         """``linear_modes``: factories of the contexts every forward runs under, entered in order (the last
-        one sees a linear call first): how the linears multiply (qkv.cpu_linear, qkv.batch_invariant)."""
+        one sees a linear call first): how the linears multiply (qkv.cpu_linear, qkv.batch_invariant).
+        ``compile_model``: run the decoder under ``torch.compile`` (:mod:`qkv.compiled`), compiled here, before
+        the first step; where that fails the runner warns once and stays eager."""
         self.model = model
         self.linear_modes = tuple(linear_modes)
         self.cache = cache
         self.backend = backend
         self.device = device
+        self.compiled: CompiledModel | None = None
+        if compile_model:
+            self.compiled = CompiledModel(model)
+            self.compiled.warm_up(self._warm_up_step)
+            if not self.compiled.ok:
+                self.compiled = None
+
+    def _warm_up_step(self, tokens: int) -> None:
+        """One forward of ``tokens`` dummy tokens of one sequence, written into the last block (free at start-up,
+        and overwritten before any sequence reads it), so that compiling happens before the first request."""
+        bs, last = self.cache.block_size, self.cache.num_blocks - 1
+        blocks = [last] * -(-tokens // bs)
+        slots = [last * bs + t % bs for t in range(tokens)]
+        inp = StepInputs([0] * tokens, list(range(tokens)), slots, [blocks], [tokens], [0, tokens], [tokens - 1])
+        self.forward(inp)
 
     def context(self, inp: StepInputs, observer=None) -> StepContext:
         """The step's attention metadata, built once here from the host lists; every layer reads it."""
@@ -146,6 +165,13 @@ class ModelRunner:
         with contextlib.ExitStack() as modes:
             for make in self.linear_modes:
                 modes.enter_context(make())
+            if self.compiled is not None:
+                return self.compiled(
+                    ctx,
+                    torch.tensor([inp.input_ids], device=self.device),
+                    torch.tensor([inp.positions], device=self.device),
+                    torch.tensor(idx, dtype=torch.long, device=self.device),
+                )
             out = self.model(
                 input_ids=torch.tensor([inp.input_ids], device=self.device),
                 position_ids=torch.tensor([inp.positions], device=self.device),

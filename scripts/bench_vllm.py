@@ -1,12 +1,13 @@
 """qkv and vLLM's CPU build side by side, interleaved, on one model directory, token ids and KV byte budget.
 
-    .venv/bin/python scripts/bench_vllm.py [--repeats 3] [--workloads budget,decode16,prefill,itl]
+    .venv/bin/python scripts/bench_vllm.py [--repeats 3] [--workloads budget,decode16,prefill,itl] [--eager]
         [-o eval/results/bench/vllm_compare_smollm2.json]
 
 vLLM runs from its own venv (``bash scripts/vllm_venv.sh``; ``--vllm-python`` names another), one
 ``scripts/vllm_worker.py`` process per cache dtype and KV budget, kept alive and idle while qkv runs. Every
 engine, qkv's and vLLM's, gets the same random token ids, greedy decoding with ``ignore_eos``, prefix caching
-off, at most 64 running sequences, a max_model_len of 2,560 and the same KV bytes; warm-up is not timed. vLLM
+off, at most 64 running sequences, a max_model_len of 2,560 and the same KV bytes; warm-up is not timed. Both
+engines compile their model (qkv with ``--compile-model``; ``--eager`` runs qkv without). vLLM
 keeps its own scheduling defaults otherwise (its CPU block size is 128 tokens, qkv's 16). Workloads:
 
 * ``budget``: 48 requests x (128 prompt + 256 output) tokens at a 96 MiB KV budget: output tokens/s. The
@@ -121,6 +122,7 @@ def run_group(args, model: str, workloads: list[str], kv_mib: int, report: dict)
             enable_prefix_caching=False,
             max_num_seqs=64,
             max_model_len=MAX_MODEL_LEN,
+            compile_model=not args.eager,
             **kw,
         )
         shared = llm.llm_engine.model
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eager", action="store_true", help="qkv without --compile-model (vLLM compiles either way)")
     ap.add_argument(
         "--vllm-python", default=str(default_vllm_python()), help="the vLLM venv's python ('' to run qkv alone)"
     )
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             "qkv_commit": commit.strip(),
             "load_average_before": os.getloadavg(),
         },
+        "qkv_compile_model": not args.eager,
         "vllm_fp8_supported": fp8_ok,
         "vllm_fp8_note": None if fp8_ok else "vLLM's CPU backend needs AVX-512 or AMX for an fp8 KV cache: not run",
         "vllm_starts": [],

@@ -1,0 +1,134 @@
+"""The model forward compiled by ``torch.compile`` (inductor), with qkv's attention and oneDNN's linears opaque.
+
+Why: an eager forward of a small model is many small passes. RMSNorm, RoPE, SwiGLU and the residual adds run as
+separate ATen kernels, each reading and writing the activations, and every op of every layer pays Python's
+module-call and dispatch cost. That is a large share of a prefill, and at batch-1 decode the Python alone
+rivals the weight reads. vLLM compiles its model for this reason; so can qkv, with ``--compile-model``.
+
+Two things stay outside inductor, as opaque custom ops with fake (shape-only) implementations:
+
+* the paged attention of a layer (``qkv::paged_attention``): it writes the cache through the engine's back end
+  and attends, so the cache bytes are those of the eager path, written by the same kernel. Its step metadata
+  (block tables, slots, lengths) is not a graph input: the runner sets it for the forward with
+  :func:`step_context`, so the graph neither guards on it nor recompiles when the batch changes;
+* the linears (``qkv::onednn_linear``): oneDNN's inner product on weights reordered once
+  (:mod:`qkv.cpu_linear`), which inductor cannot lower itself.
+
+What inductor fuses is the elementwise work in between, so the compiled forward computes every rounding of the
+model's dtype where it sees fit: a bf16 forward is not bit-identical to transformers' eager one (as vLLM's is
+not), and the exactness guarantees stay with the eager path (the default). Shapes are dynamic in the token
+count, so a batch of any size reuses one graph (1 is specialized, as torch does); inductor caches its output on
+disk, so a later start compiles faster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .attention import StepContext
+
+__all__ = ["CompiledModel", "current_step", "onednn_linear", "paged_attention", "step_context"]
+
+logger = logging.getLogger("qkv")
+
+_STEP: contextvars.ContextVar[StepContext] = contextvars.ContextVar("qkv_step")
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext) -> Iterator[None]:
+    """The step the compiled forward's attention ops read, for the duration of one forward."""
+    token = _STEP.set(ctx)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def current_step() -> StepContext:
+    try:
+        return _STEP.get()
+    except LookupError:
+        raise RuntimeError("qkv::paged_attention ran outside a step; run the model through qkv's runner") from None
+
+
+@torch.library.custom_op("qkv::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
+    """``[T, H, D]`` queries and ``[T, Hkv, D]`` keys/values of layer ``layer_idx``: write, then attend."""
+    return current_step().attend_layer(layer_idx, q, k, v, scaling).contiguous()
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("qkv::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``[N, in]`` times a weight reordered by ``torch.ops.mkldnn._reorder_linear_weight``: ``[N, out]``."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+class CompiledModel:
+    """A causal LM's decoder under ``torch.compile`` (dynamic token count), called with the step's context set;
+    the LM head runs eagerly on the rows that need logits, so the graph does not depend on how many do.
+
+    :meth:`warm_up` compiles it before the first request, through a ``run(T)`` callback that makes one forward of
+    ``T`` tokens; if inductor cannot build on this machine (no C++ compiler, an unsupported op), it warns once,
+    :attr:`ok` turns false, and the runner stays eager.
+    """
+
+    # One graph serves every token count (the count is unbacked); a second shape checks that it does.
+    WARM_UP_TOKENS = (4, 1)
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        decoder: torch.nn.Module = model.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
+        self.decoder: Callable[..., Any] = torch.compile(decoder, dynamic=True)
+        self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
+        self.ok = True
+        self.seconds = 0.0
+
+    def __call__(
+        self, ctx: StepContext, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """``[1, T]`` ids and positions; logits ``[len(rows), vocab]`` of the hidden states at ``rows``."""
+        # Unbacked: no specialization of one token, so that decode of one sequence shares the graph of the rest.
+        for t in (input_ids, position_ids):
+            torch._dynamo.decorators.mark_unbacked(t, 1)
+        # Python floats (attention scaling, norm epsilons) as constants: tracing them as symbols and specializing
+        # later makes dynamo restart its analysis, which costs a whole second trace of the model.
+        with step_context(ctx), torch._dynamo.config.patch(specialize_float=True):
+            hidden = self.decoder(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False
+            ).last_hidden_state
+        head: torch.nn.Module = self.model.get_output_embeddings()  # type: ignore[operator]
+        logits = head(hidden[0, rows])
+        if self.softcap is not None:  # as the model's own forward does (Gemma)
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def warm_up(self, run: Callable[[int], None]) -> None:
+        start = time.perf_counter()
+        try:
+            for tokens in self.WARM_UP_TOKENS:
+                run(tokens)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler means: stay eager
+            self.ok = False
+            torch._dynamo.reset()
+            text = str(e).strip()
+            first = text.splitlines()[0] if text else type(e).__name__
+            logger.warning("qkv: --compile-model: torch.compile failed on this machine (%s); running eagerly", first)
+        self.seconds = time.perf_counter() - start
