@@ -17,7 +17,8 @@ keeps its own scheduling defaults otherwise (its CPU block size is 128 tokens, q
 * ``itl``: batch 1, a 512-token prompt, 256 output tokens: inter-token latency, (t(256) - t(1)) / 255 from
   two runs, so the prefill cancels out.
 
-Each repeat runs every engine once, in rotating order, so a drift of the machine hits all alike. The JSON
+Each repeat runs every engine once, in rotating order, so a drift of the machine hits all alike, and each alone:
+the vLLM workers not being timed are frozen (SIGSTOP), since an idle vLLM's wake-ups slow the engine beside it. The JSON
 records medians, every run, ratios (qkv over vLLM, higher is better for qkv; qkv's dtypes over its bf16),
 the CPU's flags, the thread count and the load average before and after. vLLM's fp8 cache needs AVX-512 or
 AMX: on a CPU without both, the JSON says so and only vLLM bf16 runs.
@@ -153,12 +154,21 @@ def run_group(args, model: str, workloads: list[str], kv_mib: int, report: dict)
         w: random_prompts(vocab, WORKLOADS[w][0], WORKLOADS[w][1], args.seed + i, {0, 1, 2})
         for i, w in enumerate(workloads)
     }
+
+    def alone(label: str) -> None:
+        """Only ``label``'s engine awake: the vLLM workers not being timed are frozen (VllmEngine.pause)."""
+        for other, runner in runners.items():
+            if isinstance(runner, VllmRunner):
+                (runner.engine.resume if other == label else runner.engine.pause)()
+
     try:
-        for runner in runners.values():  # warm-up: first calls allocate and compile
+        for label, runner in runners.items():  # warm-up: first calls allocate and compile
+            alone(label)
             runner.run(random_prompts(vocab, 2, 64, args.seed + 999, {0, 1, 2}), 4)
         labels = list(runners)
         for r in range(args.repeats):
             for label in rotate_order(labels, r):
+                alone(label)
                 for w in workloads:
                     row, ids = measure(runners[label], w, prompts[w])
                     res = report["results"].setdefault(w, {}).setdefault(label, {"runs": []})
