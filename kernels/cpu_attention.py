@@ -30,7 +30,7 @@ import torch
 
 from .cpu_build import build_library
 from .paged import PagedLayer, StepMetadata, check_kv, check_query
-from .quant import hadamard_rotate
+from .quant import check_rotation, rotation_norm
 from .reference import attend_dense, visible_start
 
 __all__ = ["CpuKernels", "DENSE_PREFILL_ROWS", "Q_TILE"]
@@ -112,6 +112,19 @@ class _GatherArgs(ctypes.Structure):
         ("out", _ptr),
         ("out_dtype", _i32),
         ("num_threads", _i32),
+    ]
+
+
+class _RotateArgs(ctypes.Structure):
+    _fields_ = [
+        ("inp", _ptr),
+        ("out", _ptr),
+        ("rows", _i64),
+        ("dim", _i32),
+        ("in_dtype", _i32),
+        ("out_dtype", _i32),
+        ("num_threads", _i32),
+        ("norm", _f32),
     ]
 
 
@@ -204,7 +217,13 @@ class CpuKernels:
         self._write = lib.qkv_write_kv_cache
         self._attend = lib.qkv_paged_attention
         self._gather = lib.qkv_gather_kv
-        for fn, args in ((self._write, _WriteArgs), (self._attend, _AttnArgs), (self._gather, _GatherArgs)):
+        self._rotate = lib.qkv_hadamard_rows
+        for fn, args in (
+            (self._write, _WriteArgs),
+            (self._attend, _AttnArgs),
+            (self._gather, _GatherArgs),
+            (self._rotate, _RotateArgs),
+        ):
             fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
         self.dense_prefill = dense_prefill
         # One C description per layer, dropped with the layer.
@@ -319,9 +338,31 @@ class CpuKernels:
         start = visible_start(seq_len, query.shape[0], window)
         kv = self.gather(layer, meta.block_tables[s], start, seq_len, query.dtype)
         if layer.rotate:  # the cache holds K H and V H: (qH).(kH) = q.k, and the output is rotated back
-            q = hadamard_rotate(query).to(query.dtype)
-            return hadamard_rotate(attend_dense(q, kv[0], kv[1], start, seq_len, window, sm_scale)).to(query.dtype)
+            q = self.hadamard(query)
+            return self.hadamard(attend_dense(q, kv[0], kv[1], start, seq_len, window, sm_scale))
         return attend_dense(query, kv[0], kv[1], start, seq_len, window, sm_scale)
+
+    def hadamard(self, x: torch.Tensor) -> torch.Tensor:
+        """``hadamard_rotate(x).to(x.dtype)`` bit for bit (the same butterflies in the same order), in one pass
+        of C++: torch's butterflies are log2(D) passes of stack and slice, which cost a rotated cache's dense
+        prefill more than its attention."""
+        x = x.contiguous()
+        d = x.shape[-1]
+        check_rotation("hadamard", d)
+        out = torch.empty_like(x)
+        args = _RotateArgs(
+            inp=x.data_ptr(),
+            out=out.data_ptr(),
+            rows=x.numel() // d if d else 0,
+            dim=d,
+            in_dtype=_code(x, "the rotated rows"),
+            out_dtype=_code(out, "the rotated rows"),
+            num_threads=torch.get_num_threads(),
+            norm=float(rotation_norm(d)),
+        )
+        if x.numel() and self._rotate(ctypes.byref(args)) != 0:
+            raise RuntimeError("qkv_hadamard_rows failed")
+        return out
 
 
 def _split_dense(meta: StepMetadata) -> tuple[list[int], StepMetadata | None, torch.Tensor] | None:

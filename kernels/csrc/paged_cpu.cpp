@@ -74,6 +74,14 @@ struct GatherArgs {
   int32_t out_dtype, num_threads;
 };
 
+struct RotateArgs {
+  const void* in;  // [rows, dim], contiguous, in_dtype
+  void* out;       // [rows, dim], contiguous, out_dtype
+  int64_t rows;
+  int32_t dim, in_dtype, out_dtype, num_threads;
+  float norm;
+};
+
 struct AttnArgs {
   CacheDesc cache;
   const void* query;
@@ -773,6 +781,26 @@ extern "C" int qkv_gather_kv(const GatherArgs* a) {
         const int64_t o = (((int64_t)kv * H + h) * L + (j - a->start)) * D;
         for (int d = 0; d < D; ++d) store_f32(a->out, o + d, row[d], a->out_dtype);
       }
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------ rotate --
+// Rows of `dim` values times the normalized Hadamard matrix, in fp32, rounded once to out_dtype: the dense
+// prefill's query and output of a rotated cache. The same butterflies in the same order as the reference's
+// hadamard_rotate (then one multiply by the norm), so the result is bit for bit its `.to(dtype)`.
+extern "C" int qkv_hadamard_rows(const RotateArgs* a) {
+  const int D = a->dim;
+  if (D <= 0 || (D & (D - 1)) || D > 4096) return 1;
+#pragma omp parallel num_threads(a->num_threads) if (a->rows * D > (1 << 14))
+  {
+    std::vector<float> x(D);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < a->rows; ++r) {
+      for (int d = 0; d < D; ++d) x[d] = load_f32(a->in, r * D + d, a->in_dtype);
+      fwht(x.data(), D, a->norm);
+      for (int d = 0; d < D; ++d) store_f32(a->out, r * D + d, x[d], a->out_dtype);
+    }
   }
   return 0;
 }

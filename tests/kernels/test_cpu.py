@@ -338,3 +338,20 @@ def test_march_override_builds_another_library(monkeypatch, tmp_path):
     finally:
         build_library.cache_clear()
     assert len(list(tmp_path.glob("qkv_paged_cpu-*.so"))) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [8, 64, 128, 256])
+def test_hadamard_rows_equal_the_reference_bit_for_bit(kernels, dtype, d):
+    """The dense prefill's rotation of a rotated cache's query and output: the C++ butterflies give
+    ``hadamard_rotate(x).to(dtype)`` bit for bit, for strided inputs too and for values whose sums round."""
+    from qkv.kernels.quant import hadamard_rotate
+
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(3, 37, d, generator=g) * torch.logspace(-6, 4, d)
+    x[0, 0] = 1.0 + 2.0 ** -torch.arange(d).remainder(24)  # sums at the rounding boundaries of every dtype
+    x[0, 1] = torch.full((d,), 2.0**-140)  # fp32 subnormals; bf16 flushes nothing, fp16 rounds them to zero
+    x = x.to(dtype).transpose(0, 1)  # [37, 3, d], not contiguous: the launcher copies it
+    got = kernels.hadamard(x)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert torch.equal(bits(got), bits(hadamard_rotate(x).to(dtype)))
