@@ -109,3 +109,34 @@ def test_machine_that_cannot_compile_falls_back_with_one_warning(tiny_dir, tmp_p
     assert "RESULT True True" in out.stdout
     warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING qkv: --compile-model")]
     assert len(warnings) == 1 and "running eagerly" in warnings[0], out.stderr[-3000:]
+
+
+def test_serve_with_compile_model(compiled):
+    """``qkv serve --compile-model`` compiles before it reports healthy, and the official client's greedy
+    completion is the text of an offline compiled engine run in a process with the server's environment (its
+    thread count sets the GEMMs' blocking, and so a tiny random model's near-ties)."""
+    import json
+
+    import openai
+    from support.server import ServerProcess, _env
+
+    path, _, _ = compiled
+    engine = {"dtype": "float32", "num_blocks": 64, "kv_cache_dtype": "int8_per_token_head", "compile_model": True}
+    script = (
+        "import json, sys\nfrom qkv import LLM, SamplingParams\n"
+        f"llm = LLM({path!r}, dtype='float32', num_blocks=64, kv_cache_dtype='int8_per_token_head',\n"
+        "          compile_model=True)\n"
+        f"out = llm.generate([{PROMPTS[1]!r}], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]\n"
+        "print(json.dumps(out.text))\n"
+    )
+    offline = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True, timeout=600)
+    assert offline.returncode == 0, offline.stderr[-3000:]
+    srv = ServerProcess(model=path, engine=engine, api_key=None)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        r = client.completions.create(model=path, prompt=PROMPTS[1], max_tokens=12, temperature=0)
+        assert r.choices[0].text == json.loads(offline.stdout.strip().splitlines()[-1])
+        assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+        assert "compiled the model in" in srv.log_tail()
+    finally:
+        srv.stop()
