@@ -350,13 +350,14 @@ class CpuKernels:
         d = x.shape[-1]
         check_rotation("hadamard", d)
         out = torch.empty_like(x)
+        code = _code(x, "the rotated rows")
         args = _RotateArgs(
             inp=x.data_ptr(),
             out=out.data_ptr(),
-            rows=x.numel() // d if d else 0,
+            rows=x.numel() // d,
             dim=d,
-            in_dtype=_code(x, "the rotated rows"),
-            out_dtype=_code(out, "the rotated rows"),
+            in_dtype=code,
+            out_dtype=code,
             num_threads=torch.get_num_threads(),
             norm=float(rotation_norm(d)),
         )

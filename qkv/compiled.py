@@ -16,9 +16,9 @@ Two things stay outside inductor, as opaque custom ops with fake (shape-only) im
 
 What inductor fuses is the elementwise work in between, so the compiled forward computes every rounding of the
 model's dtype where it sees fit: a bf16 forward is not bit-identical to transformers' eager one (as vLLM's is
-not), and the exactness guarantees stay with the eager path (the default). Shapes are dynamic in the token
-count, so a batch of any size reuses one graph (1 is specialized, as torch does); inductor caches its output on
-disk, so a later start compiles faster.
+not), and the exactness guarantees stay with the eager path (the default). The token count is an unbacked
+symbol, so every step, one-token decodes included, reuses one graph; inductor caches its output on disk, so a
+later start compiles faster.
 """
 
 from __future__ import annotations
