@@ -80,7 +80,8 @@ def build_library(build_dir: Path) -> ctypes.CDLL:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     extra = _torch_gomp()
     flags = cxxflags()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, *extra, version, _cpu_flags()]).encode())
+    sources = [p.read_text() for p in sorted(SOURCE.parent.iterdir()) if p.suffix in (".cpp", ".h")]
+    key = hashlib.sha256("\0".join([*sources, *flags, *extra, version, _cpu_flags()]).encode())
     target = Path(build_dir) / f"qkv_paged_cpu-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,8 @@
 """The fused CPU decode-attention kernel at SmolLM2's shapes, this checkout's against a baseline commit's.
 
+This checkout's runs as the engine runs it by default (``dense_prefill``: decode rows on AMX tiles where the CPU
+has them, ``amx`` in the JSON); the baseline as its commit's kernel ran.
+
 One decode step of 16 sequences at 1,050 tokens of context (9 query and 3 kv heads of 64, bf16 queries, blocks
 of 16, per-head static scales where the dtype has them) as 30 calls, the model's layer count: ``warm`` calls one
 layer's cache 30 times, ``cold`` walks 60 distinct copies of it, so the pool comes from memory as in the
@@ -82,8 +85,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {
             "baseline": build_at(args.baseline, Path(tmp)),
-            "head": CpuKernels.build(default_cache_dir() / "kernels"),
+            "head": CpuKernels.build(default_cache_dir() / "kernels", dense_prefill=True),
         }
+        report["env"]["amx"] = builds["head"].amx
         for name in DTYPES:
             sc = paged_scenario(name, [CONTEXT] * SEQS, [1] * SEQS, hq=9, hkv=3, d=64, q_dtype=torch.bfloat16, seed=1)
             copies = [

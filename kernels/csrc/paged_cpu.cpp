@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #ifdef __AVX2__
@@ -92,6 +93,7 @@ struct AttnArgs {
   int64_t stride_qt, stride_qh, stride_ot, stride_oh, stride_bt;
   int32_t q_dtype, num_q_heads, num_seqs, window, q_tile, num_threads;
   float sm_scale;
+  int32_t amx;  // decode rows may take amx_decode.h's tiles (never under --batch-invariant)
 };
 
 // ------------------------------------------------------------------ scalar conversions --
@@ -721,6 +723,8 @@ static void attend_item(const AttnArgs& a, int s, int64_t tok0, int64_t ntok, in
   }
 }
 
+#include "amx_decode.h"
+
 extern "C" int qkv_paged_attention(const AttnArgs* a) {
   const int G = a->num_q_heads / a->cache.num_kv_heads, H = a->cache.num_kv_heads;
   if (a->cache.block_size > 64 || a->cache.head_dim % 8) return 1;
@@ -742,11 +746,31 @@ extern "C" int qkv_paged_attention(const AttnArgs* a) {
 #pragma omp parallel num_threads(a->num_threads) if (n > 1)
   {
     std::vector<float> work;
+#ifdef QKV_AMX
+    const bool use_amx = a->amx && amx::permitted() && amx::supports(a->cache, G, a->q_dtype);
+    static thread_local std::unique_ptr<amx::Work> amx_work;
+    bool configured = false;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t* it = &items[5 * i];
+#ifdef QKV_AMX
+      const int s = (int)it[0];
+      if (use_amx && a->query_start_loc[s + 1] - a->query_start_loc[s] == 1) {
+        if (!configured) {
+          if (!amx_work) amx_work = std::make_unique<amx::Work>();
+          amx::configure(G);
+          configured = true;
+        }
+        amx::attend_item(*a, s, (int)it[3], (int)it[4], *amx_work);
+        continue;
+      }
+#endif
       attend_item(*a, (int)it[0], it[1], it[2], (int)it[3], (int)it[4], work);
     }
+#ifdef QKV_AMX
+    if (configured) _tile_release();  // oneDNN and ATen load their own tile configurations
+#endif
   }
   return 0;
 }
