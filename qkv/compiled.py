@@ -59,26 +59,40 @@ def current_step() -> StepContext:
         raise RuntimeError("qkv::paged_attention ran outside a step; run the model through qkv's runner") from None
 
 
-@torch.library.custom_op("qkv::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
+# The two ops are declared on a plain ``torch.library.Library`` rather than with ``torch.library.custom_op``: the
+# latter's Python wrapper (autograd registration, schema checks) costs a few microseconds a call, and a decode step
+# makes one call per linear and per layer's attention, hundreds of them.
+_LIB = torch.library.Library("qkv", "DEF")
+_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scaling) -> Tensor")
+_LIB.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
+
+
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
     """``[T, H, D]`` queries and ``[T, Hkv, D]`` keys/values of layer ``layer_idx``: write, then attend."""
     return current_step().attend_layer(layer_idx, q, k, v, scaling).contiguous()
 
 
-@paged_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("qkv::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``[N, in]`` times a weight reordered by ``torch.ops.mkldnn._reorder_linear_weight``: ``[N, out]``."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@onednn_linear.register_fake
+_LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
+_LIB.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("qkv::paged_attention", lib=_LIB)
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("qkv::onednn_linear", lib=_LIB)
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
+
+
+paged_attention = torch.ops.qkv.paged_attention.default
+onednn_linear = torch.ops.qkv.onednn_linear.default
 
 
 class CompiledModel:
