@@ -153,6 +153,26 @@ class _AttnArgs(ctypes.Structure):
     ]
 
 
+class _DenseArgs(ctypes.Structure):
+    _fields_ = [
+        ("query", _ptr),
+        ("out", _ptr),
+        ("kv", _ptr),
+        ("stride_qt", _i64),
+        ("stride_qh", _i64),
+        ("stride_ot", _i64),
+        ("stride_oh", _i64),
+        ("T", _i64),
+        ("L", _i64),
+        ("num_q_heads", _i32),
+        ("num_kv_heads", _i32),
+        ("head_dim", _i32),
+        ("window", _i32),
+        ("num_threads", _i32),
+        ("sm_scale", _f32),
+    ]
+
+
 def _code(t: torch.Tensor, what: str, allowed: tuple[int, ...] = (0, 1, 2)) -> int:
     code = _DTYPE_CODES.get(t.dtype)
     if code is None or code not in allowed:
@@ -212,9 +232,9 @@ class CpuKernels:
     shape, so with ``dense_prefill=False`` every row runs the fused kernel and a row's bits do not depend on
     the batch or the chunking (``--batch-invariant``).
 
-    With ``dense_prefill`` the decode rows of a bf16 query also take AMX tiles where the CPU and the OS offer
-    them (:attr:`amx`; ``csrc/amx_decode.h``): the same attention with P rounded to bf16, within bf16 rounding
-    of the row loop's, and several times faster on a decode step.
+    With ``dense_prefill`` the decode rows and the long chunks of a bf16 query also take AMX tiles where the CPU
+    and the OS offer them (:attr:`amx`; ``csrc/amx_decode.h``, ``csrc/amx_prefill.h``): the same attention with P
+    rounded to bf16, within bf16 rounding of the row loop's and of SDPA's, and faster than both.
     """
 
     name = "cpu"
@@ -224,6 +244,7 @@ class CpuKernels:
         self._attend = lib.qkv_paged_attention
         self._gather = lib.qkv_gather_kv
         self._rotate = lib.qkv_hadamard_rows
+        self._dense_amx = getattr(lib, "qkv_dense_attention_amx", None)
         for fn, args in (
             (self._write, _WriteArgs),
             (self._attend, _AttnArgs),
@@ -231,6 +252,8 @@ class CpuKernels:
             (self._rotate, _RotateArgs),
         ):
             fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
+        if self._dense_amx is not None:
+            self._dense_amx.argtypes, self._dense_amx.restype = [ctypes.POINTER(_DenseArgs)], ctypes.c_int
         self.dense_prefill = dense_prefill
         # a library built from an older source has no AMX entry point (scripts/bench_cpu_attention.py loads those)
         # QKV_CPU_AMX=0 keeps every row on the row loop (to compare the two paths on one machine)
@@ -345,14 +368,51 @@ class CpuKernels:
     def _dense(
         self, layer: PagedLayer, query: torch.Tensor, meta: StepMetadata, s: int, sm_scale: float
     ) -> torch.Tensor:
-        """One long prefill chunk: its visible K/V gathered and dequantized, then the reference's SDPA call."""
+        """One long prefill chunk: its visible K/V gathered and dequantized, then the reference's SDPA call (or, with
+        :attr:`amx`, bf16 queries and head_dim % 64 == 0, the same attention on AMX tiles)."""
         seq_len, window = meta.seq_lens_host[s], layer.sliding_window
         start = visible_start(seq_len, query.shape[0], window)
         kv = self.gather(layer, meta.block_tables[s], start, seq_len, query.dtype)
+        tiled = self.amx and query.dtype == torch.bfloat16 and layer.head_dim % 64 == 0
+
+        def attend(q: torch.Tensor) -> torch.Tensor:
+            if tiled:
+                return self._tiled(q, kv, seq_len - start, window, sm_scale)
+            return attend_dense(q, kv[0], kv[1], start, seq_len, window, sm_scale)
+
         if layer.rotate:  # the cache holds K H and V H: (qH).(kH) = q.k, and the output is rotated back
-            q = self.hadamard(query)
-            return self.hadamard(attend_dense(q, kv[0], kv[1], start, seq_len, window, sm_scale))
-        return attend_dense(query, kv[0], kv[1], start, seq_len, window, sm_scale)
+            return self.hadamard(attend(self.hadamard(query)))
+        return attend(query)
+
+    def _tiled(
+        self, query: torch.Tensor, kv: torch.Tensor, length: int, window: int | None, sm_scale: float
+    ) -> torch.Tensor:
+        """:func:`attend_dense` on AMX tiles (``qkv_dense_attention_amx``): bf16 ``[q_len, Hq, D]`` queries, the
+        last of the ``length`` positions of the contiguous ``[2, Hkv, length, D]`` keys and values; P is rounded
+        to bf16, so the rows are SDPA's to bf16 rounding, not bit for bit."""
+        assert self._dense_amx is not None
+        query = query if query.stride(-1) == 1 else query.contiguous()
+        out = torch.empty_like(query)
+        args = _DenseArgs(
+            query=query.data_ptr(),
+            out=out.data_ptr(),
+            kv=kv.data_ptr(),
+            stride_qt=query.stride(0),
+            stride_qh=query.stride(1),
+            stride_ot=out.stride(0),
+            stride_oh=out.stride(1),
+            T=query.shape[0],
+            L=length,
+            num_q_heads=query.shape[1],
+            num_kv_heads=kv.shape[1],
+            head_dim=query.shape[2],
+            window=int(window or 0),
+            num_threads=torch.get_num_threads(),
+            sm_scale=float(sm_scale),
+        )
+        if self._dense_amx(ctypes.byref(args)) != 0:
+            raise RuntimeError("qkv_dense_attention_amx failed")
+        return out
 
     def hadamard(self, x: torch.Tensor) -> torch.Tensor:
         """``hadamard_rotate(x).to(x.dtype)`` bit for bit (the same butterflies in the same order), in one pass

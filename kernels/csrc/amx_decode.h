@@ -12,22 +12,13 @@
 // The scales (per tensor, per head or per token) multiply the scores and P in fp32, the online softmax runs in
 // 16-lane AVX-512. The result is not the row loop's bit for bit (P is rounded to bf16, the sums run in another
 // order), so this path is only taken when the launcher asks for it: never under --batch-invariant, whose rows must
-// not depend on whether they are computed as a decode or inside a prefill chunk.
+// not depend on whether they are computed as a decode or inside a prefill chunk. Machines without AMX build none of
+// this (amx_common.h).
 #pragma once
+#include "amx_common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
-    defined(__AVX512BF16__)
-#define QKV_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#ifdef QKV_AMX
 namespace amx {
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // Tile registers: the QK product (S, K, Q) and the PV product (P, V, O). Macros, not constants: the tile
 // intrinsics paste their register number into the instruction's text.
@@ -37,14 +28,6 @@ struct alignas(64) TileConfig {
 #define T_P 3
 #define T_V 4
 #define T_O 5
-
-constexpr int MAX_D = 256, MAX_G = 16, BS = 16;
-
-// Linux hands AMX's tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-static bool permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
 
 static void configure(int G) {
   TileConfig cfg = {};
@@ -99,25 +82,6 @@ static inline __m512i widen32(const void* base, int64_t i) {
     const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   }
-}
-
-// exp(x) for the softmax's x <= 0: vexp's range reduction and polynomial on 16 lanes.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  const __m512 tf = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(tf, _mm512_set1_ps(0.693359375f))),
-                    _mm512_mul_ps(tf, _mm512_set1_ps(-2.12194440e-4f)));
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(tf), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
 // Per-key multipliers of one side's codes in a block: prescale x (1 | the head's | each token's scale) x extra;
@@ -346,8 +310,4 @@ static void attend_item(const AttnArgs& a, int s, int h0, int h1, Work& w) {
 #undef T_P
 #undef T_V
 #undef T_O
-
-extern "C" int qkv_amx_available() { return amx::permitted() ? 1 : 0; }
-#else
-extern "C" int qkv_amx_available() { return 0; }
 #endif

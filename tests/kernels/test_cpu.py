@@ -222,24 +222,33 @@ def test_amx_decode_rows_match_the_reference(dense, name, d, group, window, rota
     rows run the row loop (and the log says so)."""
     if not dense.amx:
         logging.getLogger("qkv").warning("no AMX on this CPU (or the OS refused it): decode rows run the row loop")
+    sc, got, want = _against_reference(dense, name, [50, 5, 129, 17, 70, 16], [1] * 6, group, d, window, rotate)
+    assert got.dtype == torch.bfloat16
+    assert _takes_amx(dense, sc.layer, torch.bfloat16) == dense.amx
+
+
+def _against_reference(k: CpuKernels, name, seq_lens, q_lens, group, d, window, rotate):
+    """bf16 queries of two kv heads: the kernels' attention and the reference's, which agree to bf16 rounding."""
     sc = paged_scenario(
-        name,
-        [50, 5, 129, 17, 70, 16],
-        [1] * 6,
-        hq=2 * group,
-        hkv=2,
-        d=d,
-        rotate=rotate,
-        window=window,
-        block_size=BS,
-        q_dtype=torch.bfloat16,
-        seed=3,
+        name, seq_lens, q_lens, hq=2 * group, hkv=2, d=d, rotate=rotate, window=window, q_dtype=torch.bfloat16, seed=3
     )
     want = ref.attend(sc.layer, sc.query, sc.meta, sc.sm_scale)
-    got = dense.attend(sc.layer, sc.query, sc.meta, sc.sm_scale)
-    assert got.dtype == torch.bfloat16
+    got = k.attend(sc.layer, sc.query, sc.meta, sc.sm_scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=3e-2)
-    assert _takes_amx(dense, sc.layer, torch.bfloat16) == dense.amx
+    return sc, got, want
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "fp8_e4m3", "int8", "int8_per_token_head", "int4_per_token_head"])
+@pytest.mark.parametrize("d, group, window, rotate", [(64, 3, None, False), (128, 2, 20, True), (64, 1, 100, False)])
+def test_amx_dense_prefill_matches_the_reference(dense, name, d, group, window, rotate):
+    """Long prefill chunks of bf16 queries on AMX tiles (``qkv_dense_attention_amx`` over the gathered K/V, where the
+    CPU has AMX and head_dim is a multiple of 64): whole prompts and chunks with earlier context, causal and
+    windowed, equal the reference's attention to bf16 rounding; elsewhere SDPA computes them bit for bit."""
+    if not dense.amx:
+        logging.getLogger("qkv").warning("no AMX on this CPU (or the OS refused it): long chunks run torch's SDPA")
+    _, got, want = _against_reference(dense, name, [300, 70, 200, 33], [300, 40, 130, 33], group, d, window, rotate)
+    if not dense.amx:
+        assert torch.equal(bits(got), bits(want))
 
 
 def test_amx_decode_never_reads_stale_bytes(dense):
