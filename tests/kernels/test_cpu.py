@@ -120,17 +120,21 @@ def test_write_accepts_strided_inputs(kernels):
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
-def test_every_fp8_code_decodes_exactly(kernels, name):
-    """One cached token whose V holds all 256 codes: attention over it returns V exactly (p = 1)."""
+@pytest.mark.parametrize("path", ["row loop, fp32 query", "amx, bf16 query"])
+def test_every_fp8_code_decodes_exactly(kernels, dense, name, path):
+    """One cached token whose V holds all 256 codes: attention over it returns V exactly (p = 1), through the row
+    loop and through the AMX decode path's widening to bf16 (where the CPU has AMX; every fp8 value is a bf16)."""
     dt = resolve_cache_dtype(name)
     heads, dim = 4, 64
     cache = torch.zeros(2, 2, BS, heads, dim, dtype=torch.uint8)
     cache[1, 1, 0] = torch.arange(256, dtype=torch.uint8).view(heads, dim)
     one = torch.ones(heads)
     layer = PagedLayer(cache.view(dt.storage), dt, one, one)
-    out = kernels.attend(layer, torch.randn(1, heads, dim), StepMetadata.build([BS], [[1]], [1]), dim**-0.5)
+    k, q_dtype = (kernels, torch.float32) if path.startswith("row") else (dense, torch.bfloat16)
+    query = torch.randn(1, heads, dim).to(q_dtype)
+    out = k.attend(layer, query, StepMetadata.build([BS], [[1]], [1]), dim**-0.5)
     expected = torch.arange(256, dtype=torch.uint8).view(dt.storage).float().view(heads, dim)
-    torch.testing.assert_close(out[0], expected, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out[0].float(), expected, rtol=0, atol=0, equal_nan=True)
 
 
 CASES = [
