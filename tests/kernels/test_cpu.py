@@ -119,11 +119,12 @@ def test_write_accepts_strided_inputs(kernels):
     assert torch.equal(out[0], out[1])
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8"])
 @pytest.mark.parametrize("path", ["row loop, fp32 query", "amx, bf16 query"])
-def test_every_fp8_code_decodes_exactly(kernels, dense, name, path):
+def test_every_8bit_code_decodes_exactly(kernels, dense, name, path):
     """One cached token whose V holds all 256 codes: attention over it returns V exactly (p = 1), through the row
-    loop and through the AMX decode path's widening to bf16 (where the CPU has AMX; every fp8 value is a bf16)."""
+    loop and through the AMX decode path's widening to bf16 (where the CPU has AMX; every fp8 and int8 value is a
+    bf16)."""
     dt = resolve_cache_dtype(name)
     heads, dim = 4, 64
     cache = torch.zeros(2, 2, BS, heads, dim, dtype=torch.uint8)
