@@ -2,11 +2,13 @@
 
 * Cache writes are byte for byte the reference's, for every cache dtype, with rotation,
   per-channel scales and the values that stress rounding (ties, subnormals, saturation, NaN).
-* fp8 bytes decode exactly: all 256 codes of e4m3 and e5m2 read back through attention.
+* 8-bit bytes decode exactly: all 256 codes of e4m3, e5m2 and int8 read back through attention.
 * Attention agrees with the reference within 1e-5 (fp32) / bf16 rounding, with windows,
   GQA, rotation and per-channel scales.
 * Rows are batch-invariant: a query row gives the same bits alone, in a batch, in any
   prefill chunking and at any thread count; stale NaN bytes are never read.
+* With ``dense_prefill`` on a CPU with AMX, bf16 decode rows and long chunks run on AMX tiles
+  (csrc/amx_decode.h, amx_prefill.h): the reference's attention to bf16 rounding.
 """
 
 import logging
