@@ -84,19 +84,19 @@ static inline __m512i widen32(const void* base, int64_t i) {
   }
 }
 
-// Per-key multipliers of one side's codes in a block: prescale x (1 | the head's | each token's scale) x extra;
+// Per-key multipliers of one side's codes in a block: (1 | the head's | each token's scale) x extra;
 // 0 for the keys no query sees (a stale slot's scale is never read).
-static inline __m512 key_scales(const CacheDesc& c, int kv, int64_t block, int h, float extra, float pre,
+static inline __m512 key_scales(const CacheDesc& c, int kv, int64_t block, int h, float extra,
                                 __mmask16 valid) {
   if (c.scale_mode == SCALE_DYNAMIC) {
     const float* s = c.scale_cache + block * c.s_stride_block + kv * c.s_stride_kv + h;
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32((int)c.s_stride_slot));
     const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, idx, s, 4);
-    return _mm512_mul_ps(v, _mm512_set1_ps(pre * extra));
+    return _mm512_mul_ps(v, _mm512_set1_ps(extra));
   }
   const float s = c.scale_mode == SCALE_HEAD ? (kv == 0 ? c.k_scale : c.v_scale)[h] : 1.0f;
-  return _mm512_set1_ps(pre * s * extra);
+  return _mm512_set1_ps(s * extra);
 }
 
 // Keys per softmax round: four blocks, two 32-key steps of the P.V product (the tile's K dimension).
@@ -184,8 +184,8 @@ static void attend_round(const AttnArgs& a, const Round& rd, int h, HeadState& h
   // the online softmax of the round, 16 keys a vector; P carries the V scales
   __m512 ks[NB], vs[NB];
   for (int i = 0; i < nb; ++i) {
-    ks[i] = key_scales(c, 0, rd.block[i], h, a.sm_scale, 1.0f, rd.valid[i]);
-    vs[i] = key_scales(c, 1, rd.block[i], h, 1.0f, 1.0f, rd.valid[i]);
+    ks[i] = key_scales(c, 0, rd.block[i], h, a.sm_scale, rd.valid[i]);
+    vs[i] = key_scales(c, 1, rd.block[i], h, 1.0f, rd.valid[i]);
   }
   const __m512i rows16 = _mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 4);
   float alpha[MAX_G];

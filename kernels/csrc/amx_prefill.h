@@ -51,8 +51,9 @@ extern "C" int qkv_dense_attention_amx(const DenseArgs* a) {
   const int64_t T = a->T, L = a->L, steps = (L + PK - 1) / PK, tiles = (T + 15) / 16;
   if (!permitted() || D % 64 || D > MAX_D || T > L) return 1;  // O^T takes channels 64 at a time
   const size_t per_head = (size_t)steps * PK * D;
-  std::vector<uint16_t> vt_buf(per_head * HK + 32);
-  uint16_t* vt = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(vt_buf.data()) + 63) & ~uintptr_t(63));
+  // not zero-filled first: pack_vt writes every element (zeros past L itself)
+  std::unique_ptr<uint16_t[]> vt_buf(new uint16_t[per_head * HK + 32]);
+  uint16_t* vt = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(vt_buf.get()) + 63) & ~uintptr_t(63));
   const uint16_t* kin = static_cast<const uint16_t*>(a->kv);
   const uint16_t* vin = kin + (size_t)HK * L * D;
 #pragma omp parallel for schedule(static) num_threads(a->num_threads)

@@ -93,7 +93,7 @@ struct AttnArgs {
   int64_t stride_qt, stride_qh, stride_ot, stride_oh, stride_bt;
   int32_t q_dtype, num_q_heads, num_seqs, window, q_tile, num_threads;
   float sm_scale;
-  int32_t amx;  // decode rows may take amx_decode.h, amx_prefill.h's tiles (never under --batch-invariant)
+  int32_t amx;  // decode rows may take amx_decode.h's tiles (never under --batch-invariant)
 };
 
 // ------------------------------------------------------------------ scalar conversions --
