@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from qkv.model_loader import COMPENSATION_KEY
 from qkv.scales import QKV_SCALES_FILE, QKV_SECTION
 
 from .report import calibration_record, scale_convention
@@ -183,6 +184,11 @@ def qkv_section(cal: Calibration, scales_file: str) -> dict:
 def _config(src_config: dict, cal: Calibration) -> dict:
     cfg = dict(src_config)
     cfg.pop(QKV_SECTION, None)
+    cfg.pop(COMPENSATION_KEY, None)
+    fold = cal.fold or {}
+    comp = fold.get("rounding_compensation")
+    if comp:  # qkv (and any engine that rounds to nearest) divides these out again: qkv.model_loader
+        cfg[COMPENSATION_KEY] = {"target_rounding": fold["rounding"], "layers": comp}
     qc = cfg.get("quantization_config")
     if qc and qc.get("quant_method") != "compressed-tensors":
         raise ValueError(

@@ -32,6 +32,7 @@ from .checkpoint import vllm_note, vllm_readable, write_checkpoint
 from .data import Samples, build_samples, load_rows
 from .export import export_folded, export_vllm
 from .report import summary_table
+from .rounding import ROUNDINGS
 from .run import CalibrationSpec, calibrate, load_engine
 
 __all__ = ["CalibrateOptions", "register", "add_calibrate_args", "run_calibrate"]
@@ -201,20 +202,37 @@ class ExportOptions(Checked):
     weights: str = option("link", "how weights reach OUT: hard link, copy, or symlink", choices=WEIGHTS)
     fold: bool = option(
         False,
-        "fold K smoothing (pairs of RoPE channels) and the V Hadamard rotation into the weights, then calibrate "
-        "per-tensor fp8 scales on the folded model: a plain checkpoint that stock vLLM serves (calibrate/fold.py)",
+        "fold changes into the weights that a stock engine with per-tensor fp8 scales gains from (the target's "
+        "rounding compensation, and optionally K smoothing and the V rotation), then calibrate per-tensor "
+        "scales on the folded model: a plain checkpoint that stock vLLM serves (calibrate/fold.py)",
     )
     dataset: str | None = option(None, "--fold: calibration text (as qkv calibrate's --dataset)")
     num_samples: int = option(64, "--fold: calibration samples", ge=1)
     seq_len: int = option(512, "--fold: tokens per sample", ge=1)
-    alpha: float = option(0.5, "--fold: K smoothing exponent, s = max|K|^alpha", ge=0)
+    alpha: float = option(0.0, "--fold: K smoothing exponent, s = max|K|^alpha (0: no smoothing)", ge=0)
+    fold_v_rotation: bool = option(False, "--fold: fold the V Hadamard rotation into v_proj and o_proj")
+    fold_rounding: str | None = option(
+        None,
+        "--fold (required with it): how the target back end rounds its fp8 cache writes; toward-zero (vLLM "
+        "0.32's CPU backend) folds factors that undo its shrink of K and V into q_proj and o_proj "
+        "(calibrate/rounding.py)",
+        choices=ROUNDINGS,
+    )
 
 
 def run_export(args: argparse.Namespace) -> int:
     opts = ExportOptions(**config_kwargs(ExportOptions, args))
     if opts.fold:
         out, notes = export_folded(
-            opts.src, opts.output, opts.dataset, opts.num_samples, opts.seq_len, opts.alpha, opts.overwrite
+            opts.src,
+            opts.output,
+            opts.dataset,
+            opts.num_samples,
+            opts.seq_len,
+            opts.alpha,
+            opts.overwrite,
+            rotate_v=opts.fold_v_rotation,
+            rounding=opts.fold_rounding,
         )
     else:
         out, notes = export_vllm(opts.src, opts.output, weights=opts.weights, overwrite=opts.overwrite)

@@ -30,6 +30,7 @@ from qkv.scales import read_kv_scales
 from .checkpoint import write_checkpoint
 from .data import load_rows
 from .fold import fold_weights
+from .rounding import ROUNDINGS, compensation
 from .run import Calibration, LayerResult, calibrate, resolve_target
 
 __all__ = ["export_folded", "export_vllm"]
@@ -106,30 +107,66 @@ def export_folded(
     dataset: str | None,
     num_samples: int,
     seq_len: int,
-    alpha: float = 0.5,
+    alpha: float = 0.0,
     overwrite: bool = False,
+    rotate_v: bool = False,
+    rounding: str | None = None,
 ) -> tuple[Path, list[str]]:
-    """``--fold``: K smoothing and V rotation folded into ``src``'s weights (:mod:`.fold`), then per-tensor fp8
-    scales calibrated on the folded model, written as a plain compressed-tensors checkpoint."""
+    """``--fold``: K smoothing (``alpha`` > 0) and the V rotation folded into ``src``'s weights (:mod:`.fold`),
+    then per-tensor fp8 scales calibrated on the folded model, written as a plain compressed-tensors checkpoint.
+
+    ``rounding="toward-zero"`` also folds the factors that undo a truncating back end's shrink of the cached
+    K and V (:mod:`.rounding`), fitted at the exported scales; K and V themselves do not change with them, so
+    the scales stay those of the folded model."""
     if dataset is None:
         raise ValueError("--fold needs --dataset: the smoothing and the scales come from calibration text")
+    if rounding is None:
+        raise ValueError(
+            "--fold needs --fold-rounding: how the target back end rounds its fp8 cache writes (toward-zero for "
+            "vLLM 0.32's CPU backend, eval/results/vllm/fp8_rounding.json; nearest for one that rounds to nearest)"
+        )
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"--fold-rounding {rounding!r}: expected one of {', '.join(ROUNDINGS)}")
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"-o {out} exists and is not empty; pass --overwrite or choose a new directory")
     model_dir = Path(resolve_model(src))
-    # the same samples twice: per-channel K statistics for the smoothing, then the folded model's scales
+    # the same samples each time: per-channel K statistics for the smoothing, then the folded model's scales
     raw = load_rows(dataset)
     data: dict[str, Any] = dict(kv_cache_dtype="fp8", num_samples=num_samples, seq_len=seq_len)
-    stats = calibrate(str(model_dir), raw=raw, progress=False, strategy="channel", **data)
-    k_amax = {r.layer: r.k_observed_amax for r in stats.layers}
+    k_amax = None
+    if alpha > 0:
+        stats = calibrate(str(model_dir), raw=raw, progress=False, strategy="channel", **data)
+        k_amax = {r.layer: r.k_observed_amax for r in stats.layers}
     with tempfile.TemporaryDirectory(prefix="qkv-fold-", dir=out.parent if out.parent.exists() else None) as tmp:
         folded = Path(tmp) / "folded"
-        record = fold_weights(model_dir, folded, k_amax, alpha)
+        record = fold_weights(model_dir, folded, k_amax, alpha, rotate_v)
         cal = calibrate(str(folded), raw=raw, progress=False, strategy="tensor", **data)
+        if rounding != "nearest":
+            assert cal.stats is not None  # a static fp8 calibration keeps what it observed
+            comp = {
+                r.layer: (
+                    compensation(cal.stats[r.layer, "k"], float(r.k_scale), rounding),
+                    compensation(cal.stats[r.layer, "v"], float(r.v_scale), rounding),
+                )
+                for r in cal.layers
+            }
+            cal.model_path = Path(tmp) / "compensated"
+            record = fold_weights(model_dir, cal.model_path, k_amax, alpha, rotate_v, comp)
+        record["rounding"] = rounding
         cal.model, cal.fold = src, record
         write_checkpoint(cal, out, weights="copy", overwrite=overwrite)
+    done = [f"K smoothing (alpha {alpha})" if k_amax else "", "the V Hadamard rotation" if rotate_v else ""]
+    if rounding != "nearest":
+        c = [x for r in record["rounding_compensation"].values() for x in r["k"] + r["v"]]
+        done.append(f"{rounding} rounding compensation (factors {min(c):.4f}-{max(c):.4f})")
     notes = [
-        f"folded K smoothing (alpha {alpha}) and the V Hadamard rotation into the weights of {record['layers']} "
-        f"layers; per-tensor fp8 scales calibrated on the folded model ({num_samples} x {seq_len} tokens)"
+        f"folded {', '.join(x for x in done if x) or 'nothing'} into the weights of {record['layers']} layers; "
+        f"per-tensor fp8 scales calibrated on the folded model ({num_samples} x {seq_len} tokens)"
     ]
+    if rounding == "toward-zero":
+        notes.append(
+            "the rounding compensation suits a back end that rounds its fp8 cache toward zero (vLLM 0.32's CPU "
+            "backend); one that rounds to nearest sees it as a bias (qkv divides it out on load)"
+        )
     return out, notes

@@ -1,7 +1,8 @@
 """Fold qkv's K smoothing and V rotation into the weights, so that a stock engine with per-tensor scales gains.
 
 A stock engine (vLLM) keeps one fp8 scale per layer for K and for V and cannot rotate its cache. Two changes
-of basis make per-tensor scales fit better and can live in the weights themselves:
+of basis make per-tensor scales fit better, and a third change undoes a back end's rounding bias; all three
+live in the weights themselves:
 
 * **V rotation** (exact): ``V' = V H`` per kv head (``H`` the normalized Hadamard matrix of size head_dim), from
   ``W_v' = H W_v`` (rows of each head); every query head's attention output is then ``O H``, undone by
@@ -14,7 +15,11 @@ of basis make per-tensor scales fit better and can live in the weights themselve
   head of the group in ``q_proj`` (``* s``), biases alike. Models that normalize K per head (Qwen3's
   ``k_norm``, Gemma's) would undo a row scaling; they are refused.
 
-Both are exact in real arithmetic; in bf16 weights they change rounding only. The statistics are those
+* **Rounding compensation** (only for a named back end that rounds toward zero, :mod:`.rounding`): the query
+  rows and ``o_proj``'s input columns of each kv head's group scaled by the factors that undo the back end's
+  mean shrink of the cached K and V.
+
+The first two are exact in real arithmetic; in bf16 weights they change rounding only. The statistics are those
 ``qkv calibrate`` observes (K after RoPE, per kv head and channel), and per-tensor scales are calibrated again
 on the folded model.
 """
@@ -54,11 +59,19 @@ def _rotate_cols(w: torch.Tensor, heads: int, d: int) -> torch.Tensor:
 
 
 def fold_weights(
-    src: Path, out: Path, k_amax: dict[int, torch.Tensor], alpha: float = 0.5, rotate_v: bool = True
+    src: Path,
+    out: Path,
+    k_amax: dict[int, torch.Tensor] | None,
+    alpha: float = 0.5,
+    rotate_v: bool = True,
+    compensate: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict:
-    """Write ``src``'s checkpoint to ``out`` with K smoothed (``k_amax[layer]``: ``[Hkv, D]``) and V rotated.
+    """Write ``src``'s checkpoint to ``out`` with K smoothed (``k_amax[layer]``: ``[Hkv, D]``; ``None``: not
+    smoothed) and V rotated.
 
-    Returns what was folded, for the record (``calibration.json``)."""
+    ``compensate[layer]`` (``[Hkv]`` factors for K and for V, :mod:`.rounding`) multiplies the query rows
+    and the ``o_proj`` input columns of each kv head's group, in the same rewrite, so each weight is rounded
+    to its dtype once. Returns what was folded, for the record (``calibration.json``)."""
     cfg = json.loads((src / "config.json").read_text())
     text = cfg.get("text_config", cfg)
     if any(k in str(text.get("model_type", "")) for k in ("qwen3", "gemma")):
@@ -86,25 +99,30 @@ def fold_weights(
                 continue
             layer = int(name.split(".")[2])
             t, dtype = tensors[name], tensors[name].dtype
-            s = smoothing_scales(k_amax[layer], alpha)  # [Hkv, D]
+            s = smoothing_scales(k_amax[layer], alpha) if k_amax else torch.ones(hkv, d)  # [Hkv, D]
+            ck, cv = compensate[layer] if compensate else (torch.ones(hkv), torch.ones(hkv))
             if name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
                 new = t.float() / s.reshape(-1, *([1] * (t.dim() - 1)))
             elif name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
-                sq = s.repeat_interleave(group, dim=0).reshape(-1, *([1] * (t.dim() - 1)))
+                sq = (s * ck[:, None]).repeat_interleave(group, dim=0).reshape(-1, *([1] * (t.dim() - 1)))
                 new = t.float() * sq
             elif rotate_v and name.endswith("v_proj.weight"):
                 new = _rotate_rows(t, hkv, d)
             elif rotate_v and name.endswith("v_proj.bias"):
                 new = hadamard_rotate(t.float().reshape(hkv, d)).reshape(-1)
-            elif rotate_v and name.endswith("o_proj.weight"):
-                new = _rotate_cols(t, hq, d)
+            elif name.endswith("o_proj.weight") and (rotate_v or compensate):
+                new = _rotate_cols(t, hq, d) if rotate_v else t.float()
+                new = new * cv.repeat_interleave(group * d)[None, :]
             else:
                 continue
             tensors[name] = new.to(dtype).contiguous()
             done.setdefault(layer, []).append(name.split(".self_attn.")[1])
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
     return {
-        "k_smoothing": {"alpha": alpha, "pairs": "c, c + head_dim/2 (RoPE)"},
+        "k_smoothing": {"alpha": alpha, "pairs": "c, c + head_dim/2 (RoPE)"} if k_amax else None,
         "v_rotation": "hadamard" if rotate_v else None,
         "layers": len(done),
+        "rounding_compensation": None
+        if not compensate
+        else {str(i): {"k": ck.tolist(), "v": cv.tolist()} for i, (ck, cv) in sorted(compensate.items())},
     }

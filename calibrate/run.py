@@ -103,6 +103,7 @@ class Calibration:
     sensitivity: dict | None = None  # auto-skip's per-layer measurements
     fold: dict | None = None  # export-vllm --fold: what was folded into the weights before these scales
     clips: list[LayerClip] | None = None  # per-token 4-bit modes: the ratios chosen instead of scales (no layers)
+    stats: dict[tuple[int, str], TensorStats] | None = field(default=None, repr=False)  # what the scales came from
     date: str = field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     )
@@ -324,7 +325,7 @@ def calibrate(
         else:
             samples = generate_samples(llm, num_samples, seq_len, seed, progress)
     t1 = time.perf_counter()
-    clips, layers = None, []
+    clips, layers, stats = None, [], None
     if dt.dynamic:
         rot = None if rotation == "none" else rotation
         clips = choose_clips(observe_clip_errors(engine, samples.chunks, dt, rot, progress))
@@ -351,6 +352,7 @@ def calibrate(
         wall_time_s=t2 - t0,
         observe_time_s=t2 - t1,
         rotation=None if rotation == "none" else rotation,
+        stats=stats,
     )
 
 

@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from .attention import register
 
-__all__ = ["load_model", "load_tokenizer", "text_config", "attention_layout", "resolve_dtype"]
+__all__ = [
+    "COMPENSATION_KEY",
+    "load_model",
+    "load_tokenizer",
+    "text_config",
+    "attention_layout",
+    "resolve_dtype",
+    "undo_rounding_compensation",
+]
+
+logger = logging.getLogger(__name__)
+
+# config.json key of an `export-vllm --fold --fold-rounding toward-zero` checkpoint: per layer and kv head, the
+# factors folded into q_proj's rows and o_proj's input columns (qkv.calibrate.rounding)
+COMPENSATION_KEY = "qkv_rounding_compensation"
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -57,7 +73,43 @@ def load_model(
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
     model = AutoModelForCausalLM.from_pretrained(str(path), config=config, dtype=dtype, attn_implementation=impl)
+    comp = getattr(config, COMPENSATION_KEY, None)
+    if comp:
+        undo_rounding_compensation(model, comp)
+        logger.warning(
+            "%s: undid the %s rounding compensation of this `export-vllm --fold` checkpoint (it suits a back "
+            "end that rounds its fp8 cache that way; qkv rounds to nearest)",
+            path,
+            comp.get("target_rounding"),
+        )
     return model.to(device).eval()
+
+
+def undo_rounding_compensation(model: torch.nn.Module, comp: dict) -> None:
+    """Divide out the factors an ``export-vllm --fold`` folded into each layer's ``q_proj`` rows and
+    ``o_proj`` input columns for a back end that rounds its fp8 cache toward zero.
+
+    Such a back end shrinks the cached K and V, and the factors undo that there; an engine that rounds to
+    nearest would see them as a bias of a few percent on every score and attention output. The weights come
+    back to within one rounding of the original ones (each was rounded to its dtype once more)."""
+    cfg = text_config(model.config)
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    layers = comp.get("layers") or {}
+    mods = _attention_modules(model)
+    if sorted(layers, key=int) != [str(m.layer_idx) for m in mods]:
+        raise ValueError(f"{COMPENSATION_KEY} in config.json names layers {sorted(layers, key=int)}, not the model's")
+    with torch.no_grad():
+        for m in mods:
+            q_proj, o_proj = cast(torch.nn.Linear, m.q_proj), cast(torch.nn.Linear, m.o_proj)
+            d = q_proj.out_features // hq
+            ck, cv = (torch.tensor(layers[str(m.layer_idx)][kv], dtype=torch.float32) for kv in "kv")
+            if ck.numel() != hkv or cv.numel() != hkv:
+                raise ValueError(f"{COMPENSATION_KEY}: layer {m.layer_idx} needs {hkv} factors for K and for V")
+            rows = ck.repeat_interleave(hq // hkv * d)
+            q_proj.weight.copy_(q_proj.weight.float() / rows[:, None])
+            if q_proj.bias is not None:
+                q_proj.bias.copy_(q_proj.bias.float() / rows)
+            o_proj.weight.copy_(o_proj.weight.float() / cv.repeat_interleave(hq // hkv * d)[None, :])
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

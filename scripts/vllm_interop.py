@@ -3,12 +3,16 @@
     .venv/bin/python scripts/vllm_interop.py [-o eval/results/vllm/interop_smollm2.json]
 
 Calibrates SmolLM2-135M with ``qkv calibrate`` (fp8, 64 x 512 WikiText-2 validation tokens, per tensor and per
-head) and exports it with ``qkv export-vllm --fold`` (the same data), then scores the first 8 x 1,024
+head) and exports it with ``qkv export-vllm --fold`` three ways (the same data: the toward-zero rounding
+compensation that vLLM's CPU backend needs, that plus the V rotation, and K smoothing with the V rotation),
+then scores the first 8 x 1,024
 WikiText-2 test tokens (no BOS) in qkv (in-process, the default engine) and in vLLM (its prompt logprobs, one
 engine per configuration, eager, from scripts/vllm_venv.sh's venv) with a bf16 cache, fp8 at scale 1.0, and
 fp8 with each checkpoint (``qkv export-vllm``'s form, which for the per-tensor and per-head ones is the
 checkpoint itself), plus what vLLM holds of each (its attention layers' ``_k_scale``/``_v_scale``
-through ``LLM.apply_model``). The JSON has every perplexity, the deltas against each engine's own bf16, and the
+through ``LLM.apply_model``). qkv divides a toward-zero compensation out on load; the JSON also has qkv's
+perplexity with it left in the weights (``qkv_fold_compensation_kept``), as an engine that rounds to nearest
+and ignores the record would see it. The JSON has every perplexity, the deltas against each engine's own bf16, and the
 scales held; the README's interop table is printed from it (``--table``).
 """
 
@@ -19,6 +23,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -29,13 +34,15 @@ from qkv import LLM
 from qkv.cli import main as qkv_main
 from qkv.data_files import WIKITEXT_TEST, WIKITEXT_VALID, find_data_file
 from qkv.eval.vllm_engine import VllmEngine, vllm_fp8_supported
-from qkv.model_loader import load_tokenizer
+from qkv.model_loader import COMPENSATION_KEY, load_tokenizer
 from qkv.registry import resolve_model
 from qkv.scales import read_kv_scales
 from qkv.scoring import prefill_logits
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_WINDOWS, WINDOW = 8, 1024
+PLAIN = "fp8, qkv per-tensor scales"
+FOLD = "fp8, `export-vllm --fold --fold-rounding toward-zero` (per-tensor scales)"
 
 
 def windows(model_dir: Path) -> list[list[int]]:
@@ -88,9 +95,19 @@ def calibrate(out: Path, strategy: str) -> Path:
     return out
 
 
-def fold(out: Path) -> Path:
-    if qkv_main(["export-vllm", "smollm2-135m", "--fold", *DATA, "-o", str(out)]) != 0:
+def fold(out: Path, *flags: str) -> Path:
+    if qkv_main(["export-vllm", "smollm2-135m", "--fold", *flags, *DATA, "-o", str(out)]) != 0:
         raise SystemExit("qkv export-vllm --fold failed")
+    return out
+
+
+def without_compensation(folded: Path, out: Path) -> Path:
+    """``folded`` as an engine that rounds to nearest and ignores qkv's record would serve it: the factors
+    stay in the weights (qkv divides them out on load when config.json names them)."""
+    shutil.copytree(folded, out)
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg[COMPENSATION_KEY]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 
@@ -120,9 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     wins = windows(Path(model))
     tmp = Path(tempfile.mkdtemp(prefix="qkv-interop-"))
     checkpoints = {
-        "fp8, qkv per-tensor scales": calibrate(tmp / "tensor", "tensor"),
+        PLAIN: calibrate(tmp / "tensor", "tensor"),
         "fp8, qkv per-head (attn_head) scales": calibrate(tmp / "head", "head"),
-        "fp8, `export-vllm --fold` (K smoothing, V rotation in the weights; per-tensor scales)": fold(tmp / "fold"),
+        FOLD: fold(tmp / "fold", "--fold-rounding", "toward-zero"),
+        "fp8, `--fold --fold-rounding toward-zero --fold-v-rotation`": fold(
+            tmp / "fold-rot", "--fold-rounding", "toward-zero", "--fold-v-rotation"
+        ),
+        "fp8, `--fold --fold-rounding nearest --alpha 0.5 --fold-v-rotation` (K smoothing, V rotation)": fold(
+            tmp / "fold-smooth", "--fold-rounding", "nearest", "--alpha", "0.5", "--fold-v-rotation"
+        ),
     }
     plan = [("bf16", model, "auto"), ("fp8, scale 1.0", model, "fp8")] + [
         (k, str(p), "fp8") for k, p in checkpoints.items()
@@ -139,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     shared = None
+    kept = without_compensation(checkpoints[FOLD], tmp / "fold-kept")
+    rep["qkv_fold_compensation_kept"] = {"ppl": qkv_ppl(str(kept), "fp8", wins)[0]}
     for name, path, kv in plan:
         q, shared = qkv_ppl(path, kv, wins, shared)
         row: dict = {"checkpoint": path if path != model else "the plain model", "qkv": {"ppl": q}}
@@ -161,9 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: qkv {q:.4f}, vLLM {row['vllm'].get('ppl')}", flush=True)
     for side in ("qkv", "vllm"):
         base = rep["configs"]["bf16"][side].get("ppl")
-        for row in rep["configs"].values():
+        rows = list(rep["configs"].values()) + ([{"qkv": rep["qkv_fold_compensation_kept"]}] if side == "qkv" else [])
+        for row in rows:
             if base and row[side].get("ppl"):
                 row[side]["delta_pct"] = 100 * (row[side]["ppl"] / base - 1)
+    plain, folded = (rep["configs"][k]["vllm"].get("delta_pct") for k in (PLAIN, FOLD))
+    if plain and folded:
+        rep["vllm_fold_delta_over_plain"] = folded / plain
     rep["env"]["load_average_after"] = os.getloadavg()
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -57,6 +57,11 @@ def test_cli_writes_a_per_tensor_fp8_checkpoint_qkv_serves(tiny_dir, tmp_path):
         "export-vllm",
         str(tiny_dir("llama")),
         "--fold",
+        "--alpha",
+        "0.5",
+        "--fold-v-rotation",
+        "--fold-rounding",
+        "nearest",
         "--dataset",
         str(text),
         "--num-samples",
@@ -75,4 +80,8 @@ def test_cli_writes_a_per_tensor_fp8_checkpoint_qkv_serves(tiny_dir, tmp_path):
     assert calib["fold"]["k_smoothing"]["alpha"] == 0.5 and calib["fold"]["v_rotation"] == "hadamard"
     llm = LLM(str(out), dtype="float32", kv_cache_dtype="fp8", num_blocks=32)
     assert len(llm.generate(["The quick"], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids) == 4
+    assert calib["fold"]["rounding"] == "nearest" and calib["fold"]["rounding_compensation"] is None
+    assert "qkv_rounding_compensation" not in json.loads((out / "config.json").read_text())
     assert main(["export-vllm", str(tiny_dir("llama")), "--fold", "-o", str(tmp_path / "x")]) == 2  # no --dataset
+    no_rounding = ["export-vllm", str(tiny_dir("llama")), "--fold", "--dataset", str(text), "-o", str(tmp_path / "y")]
+    assert main(no_rounding) == 2 and not (tmp_path / "y").exists()
