@@ -184,7 +184,7 @@ def qkv_section(cal: Calibration, scales_file: str) -> dict:
 def _config(src_config: dict, cal: Calibration) -> dict:
     cfg = dict(src_config)
     cfg.pop(QKV_SECTION, None)
-    cfg.pop(COMPENSATION_KEY, None)
+    # a source's own record stays: its weights still carry the factors (export_folded refuses such a source)
     fold = cal.fold or {}
     comp = fold.get("rounding_compensation")
     if comp:  # qkv (and any engine that rounds to nearest) divides these out again: qkv.model_loader

@@ -17,13 +17,14 @@ Auto-skip's layers stay recorded, and the command prints the
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from qkv.model_loader import load_config, text_config
+from qkv.model_loader import COMPENSATION_KEY, load_config, text_config
 from qkv.registry import resolve_model
 from qkv.scales import read_kv_scales
 
@@ -131,6 +132,11 @@ def export_folded(
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"-o {out} exists and is not empty; pass --overwrite or choose a new directory")
     model_dir = Path(resolve_model(src))
+    if COMPENSATION_KEY in json.loads((model_dir / "config.json").read_text()):
+        raise ValueError(
+            f"{model_dir / 'config.json'} has {COMPENSATION_KEY}: this checkpoint is already folded for a back end's "
+            "rounding; fold the original model instead"
+        )
     # the same samples each time: per-channel K statistics for the smoothing, then the folded model's scales
     raw = load_rows(dataset)
     data: dict[str, Any] = dict(kv_cache_dtype="fp8", num_samples=num_samples, seq_len=seq_len)

@@ -81,10 +81,27 @@ def test_cli_folds_factors_and_keeps_the_plain_per_tensor_scales(tiny_dir, tmp_p
     factors = [x for r in rec["rounding_compensation"].values() for x in r["k"] + r["v"]]
     assert len(factors) == 3 * 2 * 2 and all(1.0 < x < 1.125 for x in factors)  # under one e4m3 step
     cfg = json.loads((tmp_path / "fold/config.json").read_text())
-    assert cfg["qkv_rounding_compensation"] == {
-        "target_rounding": "toward-zero",
-        "layers": rec["rounding_compensation"],
-    }
+    want = {"target_rounding": "toward-zero", "layers": rec["rounding_compensation"]}
+    assert cfg["qkv_rounding_compensation"] == want
+    # a plain calibration of the folded checkpoint keeps the record (its weights keep the factors); a second
+    # fold of it is refused
+    again = tmp_path / "again"
+    assert (
+        main(["calibrate", str(tmp_path / "fold"), *data, "--kv-cache-dtype", "fp8", "--no-progress", "-o", str(again)])
+        == 0
+    )
+    assert json.loads((again / "config.json").read_text())["qkv_rounding_compensation"] == want
+    refold = [
+        "export-vllm",
+        str(tmp_path / "fold"),
+        "--fold",
+        "--fold-rounding",
+        "nearest",
+        *data,
+        "-o",
+        str(tmp_path / "re"),
+    ]
+    assert main(refold) == 2 and not (tmp_path / "re").exists()
     # qkv rounds to nearest: it divides the factors out on load, back to the original weights to rounding
     served = LLM(str(tmp_path / "fold"), dtype="float32", kv_cache_dtype="fp8", num_blocks=32).llm_engine.model
     original = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
