@@ -33,6 +33,7 @@ import torch
 from qkv import LLM
 from qkv.cli import main as qkv_main
 from qkv.data_files import WIKITEXT_TEST, WIKITEXT_VALID, find_data_file
+from qkv.eval.machine import cpu_info
 from qkv.eval.vllm_engine import VllmEngine, vllm_fp8_supported
 from qkv.model_loader import COMPENSATION_KEY, load_tokenizer
 from qkv.registry import resolve_model
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": {
             "torch": torch.__version__,
             "python": platform.python_version(),
-            "cpu": platform.processor(),
+            "cpu": cpu_info(),
             "load_average_before": os.getloadavg(),
         },
     }
