@@ -7,7 +7,8 @@ scripts/vllm_venv.sh makes:
 
 Spec keys: ``model``, ``kv_cache_dtype`` (default ``auto``), ``kv_bytes``, ``max_num_seqs`` (64),
 ``max_model_len`` (4096), ``enforce_eager``, ``pipeline_parallel_size`` (1; 2 binds one core to each stage),
-``bind`` (``VLLM_CPU_OMP_THREADS_BIND``, default ``0-1``, or ``0|1`` with two stages). It starts ``vllm.LLM``
+``bind`` (``VLLM_CPU_OMP_THREADS_BIND``, default ``0-1``, or ``0|1`` with two stages), ``dtype`` (the
+model's, ``bfloat16``). It starts ``vllm.LLM``
 (greedy, prefix caching off), prints ``{"ready": ...}`` (or ``{"error": ...}``), then answers one JSON line
 per request line:
 
@@ -45,6 +46,10 @@ def read_kv_scales(model: Any) -> list[dict[str, Any]]:
                     "name": name,
                     "k_scale": k.detach().float().reshape(-1).tolist(),
                     "v_scale": v.detach().float().reshape(-1).tolist(),
+                    # what the attention kernels are handed: vLLM copies the tensors into these floats after
+                    # loading, so a held tensor alone does not prove the kernel uses it
+                    "k_scale_float": getattr(mod, "_k_scale_float", None),
+                    "v_scale_float": getattr(mod, "_v_scale_float", None),
                     "kv_cache_dtype": getattr(mod, "kv_cache_dtype", None),
                 }
             )
@@ -58,7 +63,7 @@ def _start(spec: dict) -> tuple[Any, dict]:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", spec.get("bind", "0|1" if pp > 1 else "0-1"))
     kwargs: dict[str, Any] = dict(
         model=spec["model"],
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "bfloat16"),
         kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
         kv_cache_memory_bytes=int(spec["kv_bytes"]),
         enable_prefix_caching=False,

@@ -18,10 +18,12 @@ compile); the two-stage pipeline, which fails in eager mode in this vLLM, compil
   AVX-512 or AMX: without both, these tests say so and skip (the one hardware exception), and the bf16 ones
   still run.
 * Pipeline parallelism: two vLLM worker processes (one core each) serve the exported checkpoint, both stages
-  hold its scales, and the perplexity is within 1 % of one process's (compiled both; vLLM's own perplexity of
-  the same windows moved by 0.15 % between two engines of the same checkpoint here, eager). On an AMD EPYC
+  hand their kernels its scales, and the perplexity is within 0.1 % of one process's (compiled both, fp32
+  compute over the fp8 cache, so that only the split differs). In bf16 compute, on an AMD EPYC
   (AVX-512, no AMX) the two stages scored 0.18 % above one process, with one thread or two and one sequence
-  per step or many: the split itself, not the batching, moves it.
+  per step or many, and the plain model with a bf16 cache (no scales at all) moved by the same 0.18 %: vLLM's
+  pipeline path itself, not the checkpoint, moves it. Both stages' kernels are handed the file's scales
+  (``_k_scale_float``), which is what the test checks exactly.
 """
 
 from __future__ import annotations
@@ -147,7 +149,9 @@ def _held_scales(engine: VllmEngine) -> dict[int, tuple[float, float]]:
     for worker in engine.kv_scales():
         for row in worker:
             layer = int(row["name"].split("layers.")[1].split(".")[0])
-            out[layer] = (row["k_scale"][0], row["v_scale"][0])
+            # the tensors vLLM keeps and the floats its attention kernels are handed: both must be the file's
+            assert (row["k_scale"][0], row["v_scale"][0]) == (row["k_scale_float"], row["v_scale_float"])
+            out[layer] = (row["k_scale_float"], row["v_scale_float"])
     return out
 
 
@@ -212,13 +216,16 @@ def test_fp8_fold_export_beats_scale_one_and_halves_the_plain_loss(smollm2, cali
 
 
 def test_pipeline_parallel_two_stages_hold_the_scales_and_agree(exported, windows):
-    """Both compiled (the two-stage pipeline fails in eager mode in this vLLM), so that only the split differs."""
+    """Both compiled (the two-stage pipeline fails in eager mode in this vLLM), and both computing in fp32 over
+    the fp8 cache, so that only the split differs: in bf16 compute vLLM's two stages moved the perplexity by
+    0.18 % with or without scales (see the module docstring), which is bf16 rounding inside vLLM's pipeline
+    path, not the checkpoint; in fp32 the same split scored bit-identically on an AMD EPYC."""
     _fp8_or_skip()
-    with VllmEngine(_spec(exported, "fp8", enforce_eager=False)) as one:
+    fp32 = {"kv_cache_dtype": "fp8", "enforce_eager": False, "dtype": "float32"}
+    with VllmEngine(_spec(exported, **fp32)) as one:
         base = _ppl(one.prompt_logprobs(windows)[0])
     # one core per stage; each worker holds half the layers and its own KV budget (halved: the same total)
-    spec = _spec(exported, "fp8", enforce_eager=False, pipeline_parallel_size=2, kv_bytes=KV_BYTES // 2)
-    with VllmEngine(spec) as pp:
+    with VllmEngine(_spec(exported, **fp32, pipeline_parallel_size=2, kv_bytes=KV_BYTES // 2)) as pp:
         per_worker = pp.kv_scales()
         two = _ppl(pp.prompt_logprobs(windows)[0])
     assert [len(w) for w in per_worker] == [15, 15]
@@ -227,5 +234,9 @@ def test_pipeline_parallel_two_stages_hold_the_scales_and_agree(exported, window
         for row in worker:
             layer = int(row["name"].split("layers.")[1].split(".")[0])
             assert (row["k_scale"][0], row["v_scale"][0]) == want[layer]
-    print(f"vLLM fp8 perplexity, exported checkpoint: one process {base:.4f}, two pipeline stages {two:.4f}")
-    assert two == pytest.approx(base, rel=1e-2)
+            assert (row["k_scale_float"], row["v_scale_float"]) == want[layer]
+    print(
+        f"vLLM fp8 perplexity (fp32 compute), exported checkpoint: one process {base:.5f}, "
+        f"two pipeline stages {two:.5f} ({100 * (two / base - 1):+.4f} %)"
+    )
+    assert two == pytest.approx(base, rel=1e-3)  # issue 24's bound: 0.1 %
