@@ -144,15 +144,19 @@ def _file_scales(path) -> dict[int, tuple[float, float]]:
     return {i: (float(s.k[i].reshape(-1)[0]), float(s.v[i].reshape(-1)[0])) for i in s.k}
 
 
-def _held_scales(engine: VllmEngine) -> dict[int, tuple[float, float]]:
+def _worker_scales(rows: list[dict]) -> dict[int, tuple[float, float]]:
+    """One vLLM worker's scales by layer index: the floats its attention kernels are handed, checked equal to
+    the tensors it keeps (both must be the file's)."""
     out = {}
-    for worker in engine.kv_scales():
-        for row in worker:
-            layer = int(row["name"].split("layers.")[1].split(".")[0])
-            # the tensors vLLM keeps and the floats its attention kernels are handed: both must be the file's
-            assert (row["k_scale"][0], row["v_scale"][0]) == (row["k_scale_float"], row["v_scale_float"])
-            out[layer] = (row["k_scale_float"], row["v_scale_float"])
+    for row in rows:
+        layer = int(row["name"].split("layers.")[1].split(".")[0])
+        assert (row["k_scale"][0], row["v_scale"][0]) == (row["k_scale_float"], row["v_scale_float"])
+        out[layer] = (row["k_scale_float"], row["v_scale_float"])
     return out
+
+
+def _held_scales(engine: VllmEngine) -> dict[int, tuple[float, float]]:
+    return {i: kv for rows in engine.kv_scales() for i, kv in _worker_scales(rows).items()}
 
 
 @pytest.mark.parametrize("which", ["calibrated", "exported"])
@@ -228,13 +232,9 @@ def test_pipeline_parallel_two_stages_hold_the_scales_and_agree(exported, window
     with VllmEngine(_spec(exported, **fp32, pipeline_parallel_size=2, kv_bytes=KV_BYTES // 2)) as pp:
         per_worker = pp.kv_scales()
         two = _ppl(pp.prompt_logprobs(windows)[0])
-    assert [len(w) for w in per_worker] == [15, 15]
-    want = {i: (torch.tensor(k).item(), torch.tensor(v).item()) for i, (k, v) in _file_scales(exported).items()}
-    for worker in per_worker:
-        for row in worker:
-            layer = int(row["name"].split("layers.")[1].split(".")[0])
-            assert (row["k_scale"][0], row["v_scale"][0]) == want[layer]
-            assert (row["k_scale_float"], row["v_scale_float"]) == want[layer]
+    first, second = (_worker_scales(rows) for rows in per_worker)
+    assert (sorted(first), sorted(second)) == (list(range(15)), list(range(15, 30)))
+    assert {**first, **second} == _file_scales(exported)
     print(
         f"vLLM fp8 perplexity (fp32 compute), exported checkpoint: one process {base:.5f}, "
         f"two pipeline stages {two:.5f} ({100 * (two / base - 1):+.4f} %)"
