@@ -15,8 +15,8 @@ each alone and together, so that the lab notes can say with numbers what each bu
 * ``sink``: the first tokens of every window left unquantized (attention sinks).
 
 Usage: ``.venv/bin/python scripts/int4_fake_quant.py -o eval/results/smollm2-4bit/fake_quant.json``
-(about 8 minutes on 2 cores at 16 windows). Nothing here is imported by qkv; the product's int4 rule is
-``qkv.kernels.quant``'s.
+(about 8 minutes on 2 cores at 16 windows). Nothing here is imported by qkv; the uniform rows call the product's rule
+(``qkv.kernels.quant``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from qkv.eval.data import load_text, wikitext_valid_file
 from qkv.eval.machine import cpu_info
-from qkv.kernels.quant import hadamard_rotate
+from qkv.kernels.quant import (
+    DYNAMIC_SCALE_FLOOR,
+    dequantize,
+    dynamic_scales,
+    hadamard_rotate,
+    quantize,
+    resolve_cache_dtype,
+)
 from qkv.pull import model_dir
 
 # bitsandbytes' NF4 levels (quantiles of N(0, 1) scaled to [-1, 1]), the usual 4-bit codebook for Gaussian rows
@@ -74,19 +81,24 @@ RULES = [
 ]
 
 
-def fake_quant(x: torch.Tensor, bits: int, rule: Rule) -> torch.Tensor:
-    """Quantize and dequantize ``x`` [..., D] along its last dim by ``rule`` (symmetric, absmax scales)."""
+def fake_quant(x: torch.Tensor, side: int, rule: Rule) -> torch.Tensor:
+    """Quantize and dequantize one side (0 K, 1 V) of ``x`` [..., D] along its last dim by ``rule``.
+
+    The uniform grid is the product's rule (``qkv.kernels.quant``'s per-token scales and rounding), applied per
+    group of channels when ``rule.group`` is set; ``clip`` applies to a 4-bit side only, as calibration's ratios do.
+    """
+    bits = rule.k_bits if side == 0 else rule.v_bits
+    dt = resolve_cache_dtype("int4_per_token_head" if rule.k_bits == 4 else "k8v4_per_token_head")
+    clip = rule.clip if bits == 4 else 1.0
     shape = x.shape
     if rule.group:
         x = x.reshape(*shape[:-1], shape[-1] // rule.group, rule.group)
-    amax = x.abs().amax(-1, keepdim=True).clamp(min=1e-8)
     if bits == 4 and rule.nf4:
-        s = amax * rule.clip
+        s = x.abs().amax(-1, keepdim=True).clamp(min=DYNAMIC_SCALE_FLOOR) * clip
         y = NF4[((x / s).clamp(-1, 1)[..., None] - NF4).abs().argmin(-1)] * s
     else:
-        qmax = 2 ** (bits - 1) - 1
-        s = amax * (rule.clip if bits == 4 else 1.0) / qmax
-        y = (x / s).round().clamp(-qmax, qmax) * s
+        scale = dynamic_scales(x, dt, side, clip)
+        y = dequantize(quantize(x, scale, dt, side), scale, dt, torch.float32)
     return y.reshape(shape)
 
 
@@ -108,8 +120,8 @@ class Hook:
             if rule.center_k:
                 k = k - self.k_mean[layer][None, :, None, :]
             rot = hadamard_rotate if rule.rotate else (lambda t: t)
-            kq = rot(fake_quant(rot(k), rule.k_bits, rule))  # H = H^T = H^-1
-            vq = rot(fake_quant(rot(v), rule.v_bits, rule))
+            kq = rot(fake_quant(rot(k), 0, rule))  # H = H^T = H^-1
+            vq = rot(fake_quant(rot(v), 1, rule))
             if rule.center_k:
                 kq = kq + self.k_mean[layer][None, :, None, :]
             if rule.sink:
@@ -168,7 +180,6 @@ def main() -> None:
         ppl = perplexity(model, windows)
         rows.append({**asdict(rule), "ppl": ppl, "delta_pct": 100 * (ppl / base - 1), "seconds": time.time() - t})
         print(f"{rule.name:32s} ppl {ppl:.4f}  {rows[-1]['delta_pct']:+.2f} %", flush=True)
-    hook.rule = None
     report = {
         "model": args.model,
         "windows": f"first {args.windows} x {args.window} WikiText-2 test tokens, no BOS, fp32",
