@@ -173,6 +173,23 @@ class _DenseArgs(ctypes.Structure):
     ]
 
 
+# The products of the dense prefill (csrc/dense_prefill.h), in order of preference: kind -> (entry point, the
+# library's probe for it, the head_dim it needs a multiple of).
+_DENSE_TILES = {
+    "amx": ("qkv_dense_attention_amx", "qkv_amx_available", 64),  # AMX tiles (and the OS's permission)
+    "avx512_bf16": ("qkv_dense_attention_dp", "qkv_bf16dp_available", 16),  # VDPBF16PS on 16 lanes
+}
+
+
+def _available(lib: ctypes.CDLL, probe: str) -> bool:
+    """Whether the library was built with (and the CPU runs) what ``probe`` reports on; False for older builds."""
+    fn = getattr(lib, probe, None)
+    if fn is None:
+        return False
+    fn.restype = ctypes.c_int
+    return bool(fn())
+
+
 def _code(t: torch.Tensor, what: str, allowed: tuple[int, ...] = (0, 1, 2)) -> int:
     code = _DTYPE_CODES.get(t.dtype)
     if code is None or code not in allowed:
@@ -239,34 +256,38 @@ class CpuKernels:
 
     name = "cpu"
 
-    def __init__(self, lib: ctypes.CDLL, dense_prefill: bool = False) -> None:
+    def __init__(self, lib: ctypes.CDLL, dense_prefill: bool = False, dense_tiles: str = "auto") -> None:
         self._write = lib.qkv_write_kv_cache
         self._attend = lib.qkv_paged_attention
         self._gather = lib.qkv_gather_kv
         self._rotate = lib.qkv_hadamard_rows
-        self._dense_amx = getattr(lib, "qkv_dense_attention_amx", None)
+        # a library built from an older source lacks the newer entry points (scripts/bench_cpu_attention.py loads those)
+        self._dense_entry = {kind: getattr(lib, spec[0], None) for kind, spec in _DENSE_TILES.items()}
         for fn, args in (
             (self._write, _WriteArgs),
             (self._attend, _AttnArgs),
             (self._gather, _GatherArgs),
             (self._rotate, _RotateArgs),
+            *((fn, _DenseArgs) for fn in self._dense_entry.values() if fn is not None),
         ):
             fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
-        if self._dense_amx is not None:
-            self._dense_amx.argtypes, self._dense_amx.restype = [ctypes.POINTER(_DenseArgs)], ctypes.c_int
         self.dense_prefill = dense_prefill
-        # a library built from an older source has no AMX entry point (scripts/bench_cpu_attention.py loads those)
-        # QKV_CPU_AMX=0 keeps every row on the row loop (to compare the two paths on one machine)
-        available = getattr(lib, "qkv_amx_available", None)
-        wanted = os.environ.get("QKV_CPU_AMX", "1") != "0"
-        self.amx = dense_prefill and wanted and available is not None and bool(available())
+        # QKV_CPU_AMX=0 keeps every row on the row loop and SDPA (to compare the paths on one machine)
+        wanted = dense_prefill and os.environ.get("QKV_CPU_AMX", "1") != "0"
+        have = {kind: wanted and _available(lib, spec[1]) for kind, spec in _DENSE_TILES.items()}
+        self.amx = have["amx"]
+        if dense_tiles not in ("auto", *have):
+            raise ValueError(f"dense_tiles must be 'auto', 'amx' or 'avx512_bf16', not {dense_tiles!r}")
+        order = tuple(_DENSE_TILES) if dense_tiles == "auto" else (dense_tiles,)
+        #: which products compute long bf16 prefill chunks: AMX tiles, VDPBF16PS (AVX512-BF16), or None (SDPA)
+        self.dense_tiles: str | None = next((kind for kind in order if have[kind]), None)
         # One C description per layer, dropped with the layer.
         self._descs: weakref.WeakKeyDictionary[PagedLayer, _CacheDesc] = weakref.WeakKeyDictionary()
 
     @classmethod
-    def build(cls, build_dir: Path, dense_prefill: bool = False) -> CpuKernels:
+    def build(cls, build_dir: Path, dense_prefill: bool = False, dense_tiles: str = "auto") -> CpuKernels:
         """Compile on first use (cached in ``build_dir``); raises ``KernelBuildError`` without a compiler."""
-        return cls(build_library(Path(build_dir)), dense_prefill)
+        return cls(build_library(Path(build_dir)), dense_prefill, dense_tiles)
 
     def prepare(self, layer: PagedLayer) -> None:
         """Check what these kernels cannot run and make the layer's C description (once per layer)."""
@@ -373,7 +394,7 @@ class CpuKernels:
         seq_len, window = meta.seq_lens_host[s], layer.sliding_window
         start = visible_start(seq_len, query.shape[0], window)
         kv = self.gather(layer, meta.block_tables[s], start, seq_len, query.dtype)
-        tiled = self.amx and query.dtype == torch.bfloat16 and layer.head_dim % 64 == 0
+        tiled = self.tiles_prefill(layer.head_dim, query.dtype)
 
         def attend(q: torch.Tensor) -> torch.Tensor:
             if tiled:
@@ -384,13 +405,19 @@ class CpuKernels:
             return self.hadamard(attend(self.hadamard(query)))
         return attend(query)
 
+    def tiles_prefill(self, head_dim: int, dtype: torch.dtype) -> bool:
+        """Whether a long prefill chunk of these queries runs on :attr:`dense_tiles` (else SDPA, bit for bit)."""
+        tiles = self.dense_tiles
+        return tiles is not None and dtype == torch.bfloat16 and head_dim % _DENSE_TILES[tiles][2] == 0
+
     def _tiled(
         self, query: torch.Tensor, kv: torch.Tensor, length: int, window: int | None, sm_scale: float
     ) -> torch.Tensor:
-        """:func:`attend_dense` on AMX tiles (``qkv_dense_attention_amx``): bf16 ``[q_len, Hq, D]`` queries, the
-        last of the ``length`` positions of the contiguous ``[2, Hkv, length, D]`` keys and values; P is rounded
-        to bf16, so the rows are SDPA's to bf16 rounding, not bit for bit."""
-        assert self._dense_amx is not None
+        """:func:`attend_dense` in bf16 products (:attr:`dense_tiles`: AMX tiles or VDPBF16PS): bf16 ``[q_len, Hq,
+        D]`` queries, the last of the ``length`` positions of the contiguous ``[2, Hkv, length, D]`` keys and
+        values; P is rounded to bf16, so the rows are SDPA's to bf16 rounding, not bit for bit."""
+        entry = self._dense_entry[self.dense_tiles] if self.dense_tiles else None
+        assert entry is not None
         query = query if query.stride(-1) == 1 else query.contiguous()
         out = torch.empty_like(query)
         args = _DenseArgs(
@@ -410,8 +437,8 @@ class CpuKernels:
             num_threads=torch.get_num_threads(),
             sm_scale=float(sm_scale),
         )
-        if self._dense_amx(ctypes.byref(args)) != 0:
-            raise RuntimeError("qkv_dense_attention_amx failed")
+        if entry(ctypes.byref(args)) != 0:
+            raise RuntimeError(f"the dense prefill on {self.dense_tiles} failed")
         return out
 
     def hadamard(self, x: torch.Tensor) -> torch.Tensor:

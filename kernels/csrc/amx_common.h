@@ -1,7 +1,8 @@
-// What the AMX kernels share (included by amx_decode.h and amx_prefill.h): the tile configuration's layout, the
-// OS's permission, and the 16-lane exp of their online softmax. Built only where -march enables AMX-BF16 and
-// AVX512-BF16; elsewhere qkv_amx_available() says 0 and the launcher keeps the row loop and SDPA.
+// What the AMX kernels share (included by amx_decode.h and amx_prefill.h): the tile configuration's layout and
+// the OS's permission (the 16-lane exp of their online softmax is avx512_common.h's). Built only where -march
+// enables AMX-BF16 and AVX512-BF16; elsewhere qkv_amx_available() says 0 and the launcher keeps the row loop.
 #pragma once
+#include "avx512_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
     defined(__AVX512BF16__)
@@ -25,42 +26,8 @@ static bool permitted() {
   return ok;
 }
 
-// exp(x) for the softmax's x <= 0: vexp's range reduction and polynomial on 16 lanes.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  const __m512 tf = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(tf, _mm512_set1_ps(0.693359375f))),
-                    _mm512_mul_ps(tf, _mm512_set1_ps(-2.12194440e-4f)));
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(tf), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
-// exp(x) for x <= 0 where P is rounded to bf16 next: round-to-nearest range reduction, a degree-5 polynomial
-// (about 2 ulp of fp32) and one vscalefps for the power of two, instead of exp16's integer exponent arithmetic.
-static inline __m512 exp16_bf(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 y = _mm512_set1_ps(1.3981999507e-3f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
+using vec16::exp16;
+using vec16::exp16_bf;
 
 }  // namespace amx
 

@@ -724,6 +724,7 @@ static void attend_item(const AttnArgs& a, int s, int64_t tok0, int64_t ntok, in
 }
 
 #include "amx_decode.h"
+#include "dense_prefill.h"
 #include "amx_prefill.h"
 
 extern "C" int qkv_paged_attention(const AttnArgs* a) {

@@ -7,8 +7,9 @@
   GQA, rotation and per-channel scales.
 * Rows are batch-invariant: a query row gives the same bits alone, in a batch, in any
   prefill chunking and at any thread count; stale NaN bytes are never read.
-* With ``dense_prefill`` on a CPU with AMX, bf16 decode rows and long chunks run on AMX tiles
-  (csrc/amx_decode.h, amx_prefill.h): the reference's attention to bf16 rounding.
+* With ``dense_prefill`` on a CPU with AMX, bf16 decode rows run on AMX tiles (csrc/amx_decode.h), and long
+  chunks of bf16 queries on AMX tiles or, with AVX512-BF16 and no AMX, on VDPBF16PS (csrc/dense_prefill.h):
+  the reference's attention to bf16 rounding.
 """
 
 import logging
@@ -198,7 +199,10 @@ def test_dense_prefill_rows_equal_the_reference_bit_for_bit(kernels, dense, name
         got = dense.attend(sc.layer, q, sc.meta, sc.sm_scale)
         fused = kernels.attend(sc.layer, q, sc.meta, sc.sm_scale)
         assert got.dtype == qdt and bool(torch.isfinite(got).all())
-        assert torch.equal(bits(got[long_rows]), bits(want[long_rows]))
+        if dense.tiles_prefill(sc.layer.head_dim, qdt):  # bf16 products: within bf16 rounding of SDPA
+            torch.testing.assert_close(got[long_rows].float(), want[long_rows].float(), rtol=0, atol=3e-2)
+        else:
+            assert torch.equal(bits(got[long_rows]), bits(want[long_rows]))
         assert torch.equal(bits(got[chunk_rows]), bits(fused[chunk_rows]))
         if _takes_amx(dense, sc.layer, qdt):  # decode rows on AMX tiles: within bf16 rounding of the reference
             torch.testing.assert_close(got[decode_rows].float(), want[decode_rows].float(), rtol=0, atol=3e-2)
@@ -245,16 +249,30 @@ def _against_reference(k: CpuKernels, name, seq_lens, q_lens, group, d, window, 
     return sc, got, want
 
 
+@pytest.fixture(scope="module", params=["amx", "avx512_bf16"])
+def tiles(request) -> tuple[str, CpuKernels]:
+    """Kernels whose long bf16 prefill chunks run on one kind of product, where the CPU has it."""
+    return request.param, CpuKernels.build(
+        default_cache_dir() / "kernels", dense_prefill=True, dense_tiles=request.param
+    )
+
+
 @pytest.mark.parametrize("name", ["bfloat16", "fp8_e4m3", "int8", "int8_per_token_head", "int4_per_token_head"])
-@pytest.mark.parametrize("d, group, window, rotate", [(64, 3, None, False), (128, 2, 20, True), (64, 1, 100, False)])
-def test_amx_dense_prefill_matches_the_reference(dense, name, d, group, window, rotate):
-    """Long prefill chunks of bf16 queries on AMX tiles (``qkv_dense_attention_amx`` over the gathered K/V, where the
-    CPU has AMX and head_dim is a multiple of 64): whole prompts and chunks with earlier context, causal and
-    windowed, equal the reference's attention to bf16 rounding; elsewhere SDPA computes them bit for bit."""
-    if not dense.amx:
-        logging.getLogger("qkv").warning("no AMX on this CPU (or the OS refused it): long chunks run torch's SDPA")
-    _, got, want = _against_reference(dense, name, [300, 70, 200, 33], [300, 40, 130, 33], group, d, window, rotate)
-    if not dense.amx:
+@pytest.mark.parametrize(
+    "d, group, window, rotate", [(64, 3, None, False), (128, 2, 20, True), (64, 1, 100, False), (32, 4, None, False)]
+)
+def test_dense_prefill_tiles_match_the_reference(tiles, name, d, group, window, rotate):
+    """Long prefill chunks of bf16 queries in bf16 products over the gathered K/V (csrc/dense_prefill.h: AMX tiles
+    for head_dim % 64 == 0, VDPBF16PS for head_dim % 16 == 0, where the CPU has them): whole prompts and chunks with
+    earlier context, causal and windowed, equal the reference's attention to bf16 rounding; where the product does
+    not apply, SDPA computes them bit for bit (and the log says why)."""
+    kind, k = tiles
+    if k.dense_tiles != kind:
+        logging.getLogger("qkv").warning("this CPU (or build, or OS) has no %s: long chunks run torch's SDPA", kind)
+    _, got, want = _against_reference(k, name, [300, 70, 200, 33], [300, 40, 130, 33], group, d, window, rotate)
+    taken = k.tiles_prefill(d, torch.bfloat16)
+    assert taken == (k.dense_tiles == kind and d % {"amx": 64, "avx512_bf16": 16}[kind] == 0)
+    if not taken:
         assert torch.equal(bits(got), bits(want))
 
 
