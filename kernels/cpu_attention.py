@@ -149,7 +149,7 @@ class _AttnArgs(ctypes.Structure):
         ("q_tile", _i32),
         ("num_threads", _i32),
         ("sm_scale", _f32),
-        ("amx", _i32),
+        ("decode", _i32),
     ]
 
 
@@ -179,6 +179,8 @@ _DENSE_TILES = {
     "amx": ("qkv_dense_attention_amx", "qkv_amx_available", 64),  # AMX tiles (and the OS's permission)
     "avx512_bf16": ("qkv_dense_attention_dp", "qkv_bf16dp_available", 16),  # VDPBF16PS on 16 lanes
 }
+# The same products for the decode rows (csrc/paged_decode.h): AttnArgs.decode's codes (DecodeProducts).
+_DECODE_CODES = {None: 0, "amx": 1, "avx512_bf16": 2}
 
 
 def _available(lib: ctypes.CDLL, probe: str) -> bool:
@@ -249,9 +251,10 @@ class CpuKernels:
     shape, so with ``dense_prefill=False`` every row runs the fused kernel and a row's bits do not depend on
     the batch or the chunking (``--batch-invariant``).
 
-    With ``dense_prefill`` the decode rows and the long chunks of a bf16 query also take AMX tiles where the CPU
-    and the OS offer them (:attr:`amx`; ``csrc/amx_decode.h``, ``csrc/amx_prefill.h``): the same attention with P
-    rounded to bf16, within bf16 rounding of the row loop's and of SDPA's, and faster than both.
+    With ``dense_prefill`` the decode rows and the long chunks of a bf16 query also take bf16 products where the
+    CPU (and the OS) offer them (:attr:`dense_tiles`): AMX tiles, else VDPBF16PS with AVX512-BF16
+    (``csrc/paged_decode.h``, ``csrc/dense_prefill.h``): the same attention with P rounded to bf16, within bf16
+    rounding of the row loop's and of SDPA's, and faster than both.
     """
 
     name = "cpu"
@@ -275,14 +278,11 @@ class CpuKernels:
         # QKV_CPU_AMX=0 keeps every row on the row loop and SDPA (to compare the paths on one machine)
         wanted = dense_prefill and os.environ.get("QKV_CPU_AMX", "1") != "0"
         have = {kind: wanted and _available(lib, spec[1]) for kind, spec in _DENSE_TILES.items()}
-        self.amx = have["amx"]
         if dense_tiles not in ("auto", *have):
             raise ValueError(f"dense_tiles must be 'auto', 'amx' or 'avx512_bf16', not {dense_tiles!r}")
-        # 'auto' takes AMX only: on the VDPBF16PS product two runs of one `qkv eval` gave a tiny llama other
-        # perplexity bits (tests/eval/test_eval.py), so it stays opt-in (QKV_CPU_BF16DP=1) until that is found
-        auto = ("amx", "avx512_bf16") if os.environ.get("QKV_CPU_BF16DP") == "1" else ("amx",)
-        order = auto if dense_tiles == "auto" else (dense_tiles,)
-        #: which products compute long bf16 prefill chunks: AMX tiles, VDPBF16PS (AVX512-BF16), or None (SDPA)
+        order = tuple(_DENSE_TILES) if dense_tiles == "auto" else (dense_tiles,)  # AMX first: 16x the products
+        #: which products compute long bf16 prefill chunks and bf16 decode rows: AMX tiles, VDPBF16PS
+        #: (AVX512-BF16), or None (SDPA and the row loop)
         self.dense_tiles: str | None = next((kind for kind in order if have[kind]), None)
         # One C description per layer, dropped with the layer.
         self._descs: weakref.WeakKeyDictionary[PagedLayer, _CacheDesc] = weakref.WeakKeyDictionary()
@@ -363,7 +363,7 @@ class CpuKernels:
             q_tile=Q_TILE,
             num_threads=torch.get_num_threads(),
             sm_scale=float(sm_scale),
-            amx=int(self.amx),
+            decode=_DECODE_CODES[self.dense_tiles],
         )
         if query.shape[0] and meta.num_seqs and self._attend(ctypes.byref(args)) != 0:
             raise RuntimeError("qkv_paged_attention failed")
@@ -393,7 +393,7 @@ class CpuKernels:
         self, layer: PagedLayer, query: torch.Tensor, meta: StepMetadata, s: int, sm_scale: float
     ) -> torch.Tensor:
         """One long prefill chunk: its visible K/V gathered and dequantized, then the reference's SDPA call (or, with
-        :attr:`amx`, bf16 queries and head_dim % 64 == 0, the same attention on AMX tiles)."""
+        :attr:`dense_tiles` and bf16 queries, the same attention in bf16 products: :meth:`tiles_prefill`)."""
         seq_len, window = meta.seq_lens_host[s], layer.sliding_window
         start = visible_start(seq_len, query.shape[0], window)
         kv = self.gather(layer, meta.block_tables[s], start, seq_len, query.dtype)

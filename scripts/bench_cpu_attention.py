@@ -1,7 +1,7 @@
 """The fused CPU decode-attention kernel at SmolLM2's shapes, this checkout's against a baseline commit's.
 
-This checkout's runs as the engine runs it by default (``dense_prefill``: decode rows on AMX tiles where the CPU
-has them, ``amx`` in the JSON); the baseline as its commit's kernel ran.
+This checkout's runs as the engine runs it by default (``dense_prefill``: decode rows in bf16 products where the
+CPU has them, AMX tiles or VDPBF16PS, ``decode_products`` in the JSON); the baseline as its commit's kernel ran.
 
 One decode step of 16 sequences at 1,050 tokens of context (9 query and 3 kv heads of 64, bf16 queries, blocks
 of 16, per-head static scales where the dtype has them) as 30 calls, the model's layer count: ``warm`` calls one
@@ -43,13 +43,13 @@ SEQS, CONTEXT, LAYERS, COLD_COPIES = 16, 1050, 30, 60
 
 
 def build_at(rev: str, out_dir: Path) -> CpuKernels:
-    """The kernel source of commit ``rev``, compiled with this checkout's flags (the C interface is the same)."""
-    src = out_dir / "paged_cpu.cpp"
-    src.write_text(
-        subprocess.run(
-            ["git", "show", f"{rev}:kernels/csrc/paged_cpu.cpp"], cwd=ROOT, check=True, capture_output=True, text=True
-        ).stdout
-    )
+    """The kernel sources of commit ``rev`` (kernels/csrc, its headers too), compiled with this checkout's flags
+    (the C interface is the same)."""
+    tree = subprocess.run(
+        ["git", "archive", "--format=tar", rev, "kernels/csrc"], cwd=ROOT, check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(out_dir)], input=tree, check=True)
+    src = out_dir / "kernels" / "csrc" / "paged_cpu.cpp"
     lib = out_dir / "baseline.so"
     subprocess.run([find_compiler(), *cxxflags(), str(src), "-o", str(lib), *_torch_gomp()], check=True)
     return CpuKernels(ctypes.CDLL(str(lib)))
@@ -87,7 +87,7 @@ def main() -> int:
             "baseline": build_at(args.baseline, Path(tmp)),
             "head": CpuKernels.build(default_cache_dir() / "kernels", dense_prefill=True),
         }
-        report["env"]["amx"] = builds["head"].amx
+        report["env"]["decode_products"] = builds["head"].dense_tiles
         for name in DTYPES:
             sc = paged_scenario(name, [CONTEXT] * SEQS, [1] * SEQS, hq=9, hkv=3, d=64, q_dtype=torch.bfloat16, seed=1)
             copies = [

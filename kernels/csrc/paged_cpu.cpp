@@ -93,8 +93,11 @@ struct AttnArgs {
   int64_t stride_qt, stride_qh, stride_ot, stride_oh, stride_bt;
   int32_t q_dtype, num_q_heads, num_seqs, window, q_tile, num_threads;
   float sm_scale;
-  int32_t amx;  // decode rows may take amx_decode.h's tiles (never under --batch-invariant)
+  int32_t decode;  // DecodeProducts: decode rows may take paged_decode.h's (never under --batch-invariant)
 };
+
+// Who computes the decode rows of bf16 queries (AttnArgs::decode): the row loop, AMX tiles or VDPBF16PS.
+enum DecodeProducts : int32_t { DECODE_ROW_LOOP = 0, DECODE_AMX = 1, DECODE_DP16 = 2 };
 
 // ------------------------------------------------------------------ scalar conversions --
 static inline float bits_f32(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
@@ -723,6 +726,7 @@ static void attend_item(const AttnArgs& a, int s, int64_t tok0, int64_t ntok, in
   }
 }
 
+#include "paged_decode.h"
 #include "amx_decode.h"
 #include "dense_prefill.h"
 #include "amx_prefill.h"
@@ -748,30 +752,37 @@ extern "C" int qkv_paged_attention(const AttnArgs* a) {
 #pragma omp parallel num_threads(a->num_threads) if (n > 1)
   {
     std::vector<float> work;
-#ifdef QKV_AMX
-    const bool use_amx = a->amx && amx::permitted() && amx::supports(a->cache, G, a->q_dtype);
-    static thread_local std::unique_ptr<amx::Work> amx_work;
-    bool configured = false;
+#ifdef QKV_BF16DP
+    // decode rows in bf16 products (paged_decode.h): AMX tiles or VDPBF16PS, as the launcher chose
+    const int products = decode::supports(a->cache, G, a->q_dtype) ? a->decode : DECODE_ROW_LOOP;
+    static thread_local std::unique_ptr<decode::Work> decode_work;
+    [[maybe_unused]] bool begun = false;
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t* it = &items[5 * i];
-#ifdef QKV_AMX
+#ifdef QKV_BF16DP
       const int s = (int)it[0];
-      if (use_amx && a->query_start_loc[s + 1] - a->query_start_loc[s] == 1) {
-        if (!configured) {
-          if (!amx_work) amx_work = std::make_unique<amx::Work>();
-          amx::configure(G);
-          configured = true;
+      if (products != DECODE_ROW_LOOP && a->query_start_loc[s + 1] - a->query_start_loc[s] == 1) {
+        if (!decode_work) decode_work = std::make_unique<decode::Work>();  // value-initialized: its zero row
+#ifdef QKV_AMX
+        if (products == DECODE_AMX && amx::permitted()) {
+          if (!begun) amx::DecodeTiles::begin(G);
+          begun = true;
+          decode::attend_item<amx::DecodeTiles>(*a, s, (int)it[3], (int)it[4], *decode_work);
+          continue;
         }
-        amx::attend_item(*a, s, (int)it[3], (int)it[4], *amx_work);
-        continue;
+#endif
+        if (products == DECODE_DP16) {
+          decode::attend_item<decode::Dp16>(*a, s, (int)it[3], (int)it[4], *decode_work);
+          continue;
+        }
       }
 #endif
       attend_item(*a, (int)it[0], it[1], it[2], (int)it[3], (int)it[4], work);
     }
 #ifdef QKV_AMX
-    if (configured) _tile_release();  // oneDNN and ATen load their own tile configurations
+    if (begun) amx::DecodeTiles::end();
 #endif
   }
   return 0;

@@ -7,9 +7,9 @@
   GQA, rotation and per-channel scales.
 * Rows are batch-invariant: a query row gives the same bits alone, in a batch, in any
   prefill chunking and at any thread count; stale NaN bytes are never read.
-* With ``dense_prefill`` on a CPU with AMX, bf16 decode rows run on AMX tiles (csrc/amx_decode.h), and long
-  chunks of bf16 queries on AMX tiles or, with AVX512-BF16 and no AMX, on VDPBF16PS (csrc/dense_prefill.h):
-  the reference's attention to bf16 rounding.
+* With ``dense_prefill``, bf16 decode rows (csrc/paged_decode.h) and long chunks of bf16 queries
+  (csrc/dense_prefill.h) run in bf16 products where the CPU has them: AMX tiles or, with AVX512-BF16 and no
+  AMX, VDPBF16PS: the reference's attention to bf16 rounding.
 """
 
 import logging
@@ -123,18 +123,18 @@ def test_write_accepts_strided_inputs(kernels):
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8"])
-@pytest.mark.parametrize("path", ["row loop, fp32 query", "amx, bf16 query"])
-def test_every_8bit_code_decodes_exactly(kernels, dense, name, path):
+@pytest.mark.parametrize("path", ["row loop, fp32 query", "bf16 products, bf16 query"])
+def test_every_8bit_code_decodes_exactly(kernels, tiles, name, path):
     """One cached token whose V holds all 256 codes: attention over it returns V exactly (p = 1), through the row
-    loop and through the AMX decode path's widening to bf16 (where the CPU has AMX; every fp8 and int8 value is a
-    bf16)."""
+    loop and through the bf16 decode products' widening to bf16 (AMX or VDPBF16PS, where the CPU has them; every
+    fp8 and int8 value is a bf16)."""
     dt = resolve_cache_dtype(name)
     heads, dim = 4, 64
     cache = torch.zeros(2, 2, BS, heads, dim, dtype=torch.uint8)
     cache[1, 1, 0] = torch.arange(256, dtype=torch.uint8).view(heads, dim)
     one = torch.ones(heads)
     layer = PagedLayer(cache.view(dt.storage), dt, one, one)
-    k, q_dtype = (kernels, torch.float32) if path.startswith("row") else (dense, torch.bfloat16)
+    k, q_dtype = (kernels, torch.float32) if path.startswith("row") else (tiles[1], torch.bfloat16)
     query = torch.randn(1, heads, dim).to(q_dtype)
     out = k.attend(layer, query, StepMetadata.build([BS], [[1]], [1]), dim**-0.5)
     expected = torch.arange(256, dtype=torch.uint8).view(dt.storage).float().view(heads, dim)
@@ -204,38 +204,56 @@ def test_dense_prefill_rows_equal_the_reference_bit_for_bit(kernels, dense, name
         else:
             assert torch.equal(bits(got[long_rows]), bits(want[long_rows]))
         assert torch.equal(bits(got[chunk_rows]), bits(fused[chunk_rows]))
-        if _takes_amx(dense, sc.layer, qdt):  # decode rows on AMX tiles: within bf16 rounding of the reference
+        if _takes_tiles(dense, sc.layer, qdt):  # decode rows in bf16 products: within bf16 rounding of the reference
             torch.testing.assert_close(got[decode_rows].float(), want[decode_rows].float(), rtol=0, atol=3e-2)
         else:
             assert torch.equal(bits(got[decode_rows]), bits(fused[decode_rows]))
 
 
-def _takes_amx(k: CpuKernels, layer: PagedLayer, qdt: torch.dtype) -> bool:
-    """Whether csrc/amx_decode.h computes this layer's bf16 decode rows (its ``amx::supports``)."""
+def _takes_tiles(k: CpuKernels, layer: PagedLayer, qdt: torch.dtype) -> bool:
+    """Whether csrc/paged_decode.h computes this layer's bf16 decode rows in bf16 products (``decode::supports``)."""
     dt = layer.dt
     ok_dtype = dt.name in ("bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "fp8_per_token_head", "int8_per_token_head")
-    return k.amx and qdt == torch.bfloat16 and ok_dtype and layer.head_dim % 32 == 0 and not layer.channel
+    ok_shape = layer.head_dim % 32 == 0 and not layer.channel
+    return k.dense_tiles is not None and qdt == torch.bfloat16 and ok_dtype and ok_shape
 
 
-AMX_CASES = [
+@pytest.fixture(scope="module", params=["amx", "avx512_bf16"])
+def tiles(request) -> tuple[str, CpuKernels]:
+    """Kernels whose decode rows and long prefill chunks of bf16 queries run on one kind of product, where the CPU
+    has it (an AMX CPU runs both kinds; one with AVX512-BF16 only the second)."""
+    return request.param, CpuKernels.build(
+        default_cache_dir() / "kernels", dense_prefill=True, dense_tiles=request.param
+    )
+
+
+def _log_missing(kind: str, k: CpuKernels, what: str) -> None:
+    if k.dense_tiles != kind:
+        logging.getLogger("qkv").warning("this CPU (or build, or OS) has no %s: %s", kind, what)
+
+
+DECODE_CASES = [
     (name, d, group, window, rotate)
     for name in ("bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "fp8_per_token_head", "int8_per_token_head")
-    for d, group in ((64, 3), (128, 4), (32, 16), (64, 1))
+    for d, group in ((64, 3), (128, 4), (32, 16), (64, 1), (256, 9))
     for window, rotate in ((None, False), (20, True))
 ]
 
 
-@pytest.mark.parametrize("name, d, group, window, rotate", AMX_CASES)
-def test_amx_decode_rows_match_the_reference(dense, name, d, group, window, rotate):
-    """Decode rows of bf16 queries on AMX tiles (``dense_prefill``, where the CPU has AMX): the reference's
-    attention to bf16 rounding, over partial blocks, windows, rotation, static and per-token scales, and every
-    group size a tile's rows hold; rows of other steps' shapes are unchanged. Where the CPU has no AMX the same
-    rows run the row loop (and the log says so)."""
-    if not dense.amx:
-        logging.getLogger("qkv").warning("no AMX on this CPU (or the OS refused it): decode rows run the row loop")
-    sc, got, want = _against_reference(dense, name, [50, 5, 129, 17, 70, 16], [1] * 6, group, d, window, rotate)
+@pytest.mark.parametrize("name, d, group, window, rotate", DECODE_CASES)
+def test_decode_rows_in_bf16_products_match_the_reference(kernels, tiles, name, d, group, window, rotate):
+    """Decode rows of bf16 queries in bf16 products (``dense_prefill``: AMX tiles or VDPBF16PS, where the CPU has
+    them): the reference's attention to bf16 rounding, over partial blocks, windows, rotation, static and per-token
+    scales, every group size up to 16 (more than 8 query heads take VDPBF16PS two register groups) and head_dim
+    up to 256. Where the CPU lacks the product the same rows run the row loop (and the log says so)."""
+    kind, k = tiles
+    _log_missing(kind, k, "decode rows run the row loop")
+    seq_lens = [50, 5, 129, 17, 70, 16, 300]
+    sc, got, want = _against_reference(k, name, seq_lens, [1] * len(seq_lens), group, d, window, rotate)
     assert got.dtype == torch.bfloat16
-    assert _takes_amx(dense, sc.layer, torch.bfloat16) == dense.amx
+    assert _takes_tiles(k, sc.layer, torch.bfloat16) == (k.dense_tiles == kind)
+    if k.dense_tiles is None:  # the row loop's bits
+        assert torch.equal(bits(got), bits(kernels.attend(sc.layer, sc.query, sc.meta, sc.sm_scale)))
 
 
 def _against_reference(k: CpuKernels, name, seq_lens, q_lens, group, d, window, rotate):
@@ -249,14 +267,6 @@ def _against_reference(k: CpuKernels, name, seq_lens, q_lens, group, d, window, 
     return sc, got, want
 
 
-@pytest.fixture(scope="module", params=["amx", "avx512_bf16"])
-def tiles(request) -> tuple[str, CpuKernels]:
-    """Kernels whose long bf16 prefill chunks run on one kind of product, where the CPU has it."""
-    return request.param, CpuKernels.build(
-        default_cache_dir() / "kernels", dense_prefill=True, dense_tiles=request.param
-    )
-
-
 @pytest.mark.parametrize("name", ["bfloat16", "fp8_e4m3", "int8", "int8_per_token_head", "int4_per_token_head"])
 @pytest.mark.parametrize(
     "d, group, window, rotate", [(64, 3, None, False), (128, 2, 20, True), (64, 1, 100, False), (32, 4, None, False)]
@@ -267,8 +277,7 @@ def test_dense_prefill_tiles_match_the_reference(tiles, name, d, group, window, 
     earlier context, causal and windowed, equal the reference's attention to bf16 rounding; where the product does
     not apply, SDPA computes them bit for bit (and the log says why)."""
     kind, k = tiles
-    if k.dense_tiles != kind:
-        logging.getLogger("qkv").warning("this CPU (or build, or OS) has no %s: long chunks run torch's SDPA", kind)
+    _log_missing(kind, k, "long chunks run torch's SDPA")
     _, got, want = _against_reference(k, name, [300, 70, 200, 33], [300, 40, 130, 33], group, d, window, rotate)
     taken = k.tiles_prefill(d, torch.bfloat16)
     assert taken == (k.dense_tiles == kind and d % {"amx": 64, "avx512_bf16": 16}[kind] == 0)
@@ -276,11 +285,14 @@ def test_dense_prefill_tiles_match_the_reference(tiles, name, d, group, window, 
         assert torch.equal(bits(got), bits(want))
 
 
-def test_amx_decode_never_reads_stale_bytes(dense):
-    """NaN codes in the slots past each sequence and before its window: the decode rows do not change."""
+@pytest.mark.parametrize("name, nan", [("fp8_e4m3", 0x7F), ("bfloat16", 0xFF), ("int8_per_token_head", 0x7F)])
+def test_decode_products_never_read_stale_bytes(tiles, name, nan):
+    """NaN codes (NaN scales too, per token) in the slots past each sequence and before its window: the decode rows
+    in bf16 products (or the row loop, where the CPU lacks them) do not change; bf16 K rows are read in place."""
+    dense = tiles[1]
     seq_lens, window = [40, 75, 7], 24
     sc = paged_scenario(
-        "fp8_e4m3", seq_lens, [1, 1, 1], hq=6, hkv=2, d=64, window=window, q_dtype=torch.bfloat16, stale=(0x7F, 0x7F)
+        name, seq_lens, [1, 1, 1], hq=6, hkv=2, d=64, window=window, q_dtype=torch.bfloat16, stale=(nan, nan)
     )
     layer = sc.layer
     used = torch.zeros(layer.kv.shape[:3], dtype=torch.bool)
@@ -288,7 +300,7 @@ def test_amx_decode_never_reads_stale_bytes(dense):
         for p in range(max(0, n - window), n):
             used[sc.tables[i, p // BS], :, p % BS] = True
     poisoned = layer.kv.clone().view(torch.uint8)
-    poisoned[~used] = 0x7F
+    poisoned[~used] = nan
     clean = poisoned.clone()
     clean[~used] = 0
     a = dense.attend(replace(layer, kv=clean.view(layer.dt.storage)), sc.query, sc.meta, 0.2)
