@@ -38,7 +38,7 @@ from qkv.kernels.cpu_attention import CpuKernels  # noqa: E402
 from qkv.kernels.cpu_build import _torch_gomp, cxxflags, find_compiler  # noqa: E402
 from qkv.registry import default_cache_dir  # noqa: E402
 
-DTYPES = ("bfloat16", "fp8_e4m3", "int8", "int8_per_token_head")
+DTYPES = ("bfloat16", "fp8_e4m3", "int8", "int8_per_token_head", "int4_per_token_head", "k8v4_per_token_head")
 SEQS, CONTEXT, LAYERS, COLD_COPIES = 16, 1050, 30, 60
 
 

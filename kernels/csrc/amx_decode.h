@@ -48,7 +48,7 @@ struct DecodeTiles {
   static int qb_index(int d, int g, int G, int) { return ((d / 2) * G + g) * 2 + d % 2; }  // Q^T in channel pairs
 
   // The round's work for kv head h: S^T = K.Q^T block by block, the online softmax, then O += P.V.
-  template <int32_t DT>
+  template <int32_t DK, int32_t DV, bool PK>
   static void round(const AttnArgs& a, const decode::Round& rd, int h, decode::HeadState& hs, decode::Work& w) {
     using decode::NB;
     using decode::RK;
@@ -62,7 +62,7 @@ struct DecodeTiles {
         continue;
       }
       int64_t kstride;
-      const uint16_t* krows = decode::block_rows<DT>(c, rd, i, h, w, kstride, vrow + i * BS);
+      const uint16_t* krows = decode::block_rows<DK, DV, PK>(c, rd, i, h, w, kstride, vrow + i * BS);
       _tile_zero(T_S);
       for (int d = 0; d < D; d += 32) {
         _tile_loadd(T_K, krows + d, kstride * 2);

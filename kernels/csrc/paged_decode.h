@@ -26,12 +26,14 @@ constexpr int NB = 4, RK = NB * BS;
 // kv heads an item walks together: their rows of a block are neighbours, so a block is read front to back.
 constexpr int MAX_NH = 8;
 
-// The layers these paths compute: a bf16 query, a cache whose codes are bf16 values, scales that are one number
-// per key (none, per head or per token); the GQA group fits a tile's rows.
+// The layers these paths compute: a bf16 query, a cache whose codes are bf16 values (the packed 4-bit ones too,
+// with whole 32-channel chunks per half row), scales that are one number per key (none, per head or per token);
+// the GQA group fits a tile's rows.
 static bool supports(const CacheDesc& c, int G, int32_t q_dtype) {
-  return q_dtype == BF16 && !c.packed && c.block_size == BS && c.head_dim % 32 == 0 && c.head_dim <= MAX_D &&
-         G >= 1 && G <= MAX_G && c.scale_mode != SCALE_CHANNEL &&
-         (c.dtype == BF16 || c.dtype == E4M3 || c.dtype == E5M2 || c.dtype == I8);
+  const bool codes = c.packed ? c.head_dim % 64 == 0 && c.scale_mode == SCALE_DYNAMIC
+                              : c.dtype == BF16 || c.dtype == E4M3 || c.dtype == E5M2 || c.dtype == I8;
+  return q_dtype == BF16 && codes && c.block_size == BS && c.head_dim % 32 == 0 && c.head_dim <= MAX_D && G >= 1 &&
+         G <= MAX_G && c.scale_mode != SCALE_CHANNEL;
 }
 
 // 32 stored codes as 32 bf16 of the same value, exactly (every fp8 and int8 value is a bf16).
@@ -63,6 +65,34 @@ static inline __m512i widen32(const void* base, int64_t i) {
     const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   }
+}
+
+// Channels [d, d + 32) of a packed row (side kv, whose row starts at byte `row`) as 32 bf16, exactly: an int4
+// side's low nibbles hold channels [0, D/2) and the same bytes' high nibbles [D/2, D); an int8 side's second
+// half row lies side_hi bytes on (the next plane).
+template <int32_t DT>
+static inline __m512i widen32_packed(const CacheDesc& c, int kv, int64_t row, int d) {
+  const int half = c.head_dim / 2;
+  const int64_t at = d < half ? row + d : row + c.side_hi[kv] + d - half;
+  if constexpr (DT == I8) {
+    return widen32<I8>(c.data, at);
+  } else {
+    const __m512i x = _mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(c.data) + at)));
+    const __m512i v = _mm512_srai_epi16(d < half ? _mm512_slli_epi16(x, 12) : _mm512_slli_epi16(x, 8), 12);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
+// Channels [d, d + 32) of the row at element `row` of side kv: the codes of dtype DT (a packed side's if PK).
+template <int32_t DT, bool PK>
+static inline __m512i chunk32(const CacheDesc& c, int kv, int64_t row, int d) {
+  if constexpr (PK)
+    return widen32_packed<DT>(c, kv, row, d);
+  else
+    return widen32<DT>(c.data, row + d);
 }
 
 // Per-key multipliers of one side's codes in a block: (1 | the head's | each token's scale) x extra;
@@ -109,30 +139,38 @@ struct Round {
 
 // Block i of the round for kv head h: its K rows (the cache's own for bf16, else widened into w.kb; rows no
 // query sees are left as they are and masked out of the scores), with their stride in elements, and its V
-// rows in vrow[0, BS) (a zero row for the keys no query sees, so that stale bytes never count).
+// rows in vrow[0, BS) (a zero row for the keys no query sees, so that stale bytes never count). DK and DV are
+// the sides' dtypes, PK a packed cache's.
 //
 // It first asks for the same head's rows of block i of the next round. Blocks sit anywhere in the pool and a
 // round reads one head's rows of each at a stride, which the hardware prefetcher does not follow; without the
 // hint an 8-bit cache, whose rows are widened through stores, keeps few misses in flight and runs at a fraction
 // of the memory's bandwidth. One head's rows at a time keeps the requests spread over the round, not in a burst
 // that overflows the miss buffers.
-template <int32_t DT>
+template <int32_t DK, int32_t DV, bool PK>
 static const uint16_t* block_rows(const CacheDesc& c, const Round& rd, int i, int h, Work& w, int64_t& kstride,
                                   const uint16_t** vrow) {
   const int D = c.head_dim;
   const __mmask16 valid = rd.valid[i];
-  const int64_t kbase = row_base(c, rd.block[i], 0, 0, h), vbase = row_base(c, rd.block[i], 1, 0, h);
   if (rd.next[i] >= 0) {
-    constexpr int64_t bytes = DT == BF16 ? 2 : 1;
+    constexpr int64_t bytes = DK == BF16 ? 2 : 1;
     const char* base = static_cast<const char*>(c.data);
     for (int kv = 0; kv < 2; ++kv)
       for (int j = 0; j < BS; ++j) {
         const char* p = base + row_base(c, rd.next[i], kv, j, h) * bytes;
-        for (int64_t off = 0; off < D * bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+        if constexpr (PK) {  // half rows: one plane, or two for a split int8 side
+          for (int off = 0; off < D / 2; off += 64) {
+            _mm_prefetch(p + off, _MM_HINT_T0);
+            if (c.side_hi[kv] != 0) _mm_prefetch(p + c.side_hi[kv] + off, _MM_HINT_T0);
+          }
+        } else {
+          for (int64_t off = 0; off < D * bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+        }
       }
   }
+  const int64_t kbase = row_base(c, rd.block[i], 0, 0, h), vbase = row_base(c, rd.block[i], 1, 0, h);
   const uint16_t* krows;
-  if constexpr (DT == BF16) {
+  if constexpr (DK == BF16 && !PK) {
     krows = static_cast<const uint16_t*>(c.data) + kbase;
     kstride = c.stride_slot;
   } else {
@@ -140,18 +178,18 @@ static const uint16_t* block_rows(const CacheDesc& c, const Round& rd, int i, in
     for (int j = 0; j < BS; ++j)
       if (valid >> j & 1)
         for (int d = 0; d < D; d += 32)
-          _mm512_store_si512(kb + j * D + d, widen32<DT>(c.data, kbase + j * c.stride_slot + d));
+          _mm512_store_si512(kb + j * D + d, chunk32<DK, PK>(c, 0, kbase + j * c.stride_slot, d));
     krows = kb;
     kstride = D;
   }
   for (int j = 0; j < BS; ++j) {
     if (!(valid >> j & 1)) {
       vrow[j] = w.zero;
-    } else if constexpr (DT == BF16) {
+    } else if constexpr (DV == BF16 && !PK) {
       vrow[j] = static_cast<const uint16_t*>(c.data) + vbase + j * c.stride_slot;
     } else {
       uint16_t* vr = w.vr + ((size_t)i * BS + j) * D;
-      for (int d = 0; d < D; d += 32) _mm512_store_si512(vr + d, widen32<DT>(c.data, vbase + j * c.stride_slot + d));
+      for (int d = 0; d < D; d += 32) _mm512_store_si512(vr + d, chunk32<DV, PK>(c, 1, vbase + j * c.stride_slot, d));
       vrow[j] = vr;
     }
   }
@@ -225,14 +263,14 @@ struct Dp16 {
     return (__m512bh)_mm512_set1_epi32((int)x);
   }
 
-  template <int32_t DT>
+  template <int32_t DK, int32_t DV, bool PK>
   static void round(const AttnArgs& a, const Round& rd, int h, HeadState& hs, Work& w) {
     const CacheDesc& c = a.cache;
     const int D = c.head_dim, G = a.num_q_heads / c.num_kv_heads;
     const uint16_t* vrow[RK];
     for (int i = 0; i < rd.nb; ++i) {
       int64_t ks;
-      const uint16_t* k = block_rows<DT>(c, rd, i, h, w, ks, vrow + i * BS);
+      const uint16_t* k = block_rows<DK, DV, PK>(c, rd, i, h, w, ks, vrow + i * BS);
       for (int g = 0; g < G; ++g) {
         const uint16_t* q = hs.qb + (size_t)g * D;
         __m512 acc[BS];
@@ -282,7 +320,7 @@ struct Dp16 {
 };
 
 // The decode row of sequence s, kv heads [h0, h1) (at most MAX_NH) and their query heads.
-template <class Product, int32_t DT>
+template <class Product, int32_t DK, int32_t DV, bool PK>
 static void attend_heads(const AttnArgs& a, int s, int h0, int h1, Work& w) {
   const CacheDesc& c = a.cache;
   const int D = c.head_dim, G = a.num_q_heads / c.num_kv_heads;
@@ -316,7 +354,7 @@ static void attend_heads(const AttnArgs& a, int s, int h0, int h1, Work& w) {
       rd.next[i] = b0 + NB + i < b_end ? table[b0 + NB + i] : -1;
       rd.valid[i] = (__mmask16)(((1u << a1) - 1) & ~((1u << a0) - 1));
     }
-    for (int h = h0; h < h1; ++h) Product::template round<DT>(a, rd, h, w.head[h - h0], w);
+    for (int h = h0; h < h1; ++h) Product::template round<DK, DV, PK>(a, rd, h, w.head[h - h0], w);
   }
   for (int h = h0; h < h1; ++h) {
     HeadState& hs = w.head[h - h0];
@@ -335,11 +373,18 @@ template <class Product>
 static void attend_item(const AttnArgs& a, int s, int h0, int h1, Work& w) {
   for (int h = h0; h < h1; h += MAX_NH) {
     const int e = std::min(h1, h + MAX_NH);
+    if (a.cache.packed) {  // V is int4; K int4 or int8
+      if (a.cache.side_dtype[0] == I4)
+        attend_heads<Product, I4, I4, true>(a, s, h, e, w);
+      else
+        attend_heads<Product, I8, I4, true>(a, s, h, e, w);
+      continue;
+    }
     switch (a.cache.dtype) {
-      case BF16: attend_heads<Product, BF16>(a, s, h, e, w); break;
-      case E4M3: attend_heads<Product, E4M3>(a, s, h, e, w); break;
-      case E5M2: attend_heads<Product, E5M2>(a, s, h, e, w); break;
-      default: attend_heads<Product, I8>(a, s, h, e, w); break;
+      case BF16: attend_heads<Product, BF16, BF16, false>(a, s, h, e, w); break;
+      case E4M3: attend_heads<Product, E4M3, E4M3, false>(a, s, h, e, w); break;
+      case E5M2: attend_heads<Product, E5M2, E5M2, false>(a, s, h, e, w); break;
+      default: attend_heads<Product, I8, I8, false>(a, s, h, e, w); break;
     }
   }
 }

@@ -141,6 +141,28 @@ def test_every_8bit_code_decodes_exactly(kernels, tiles, name, path):
     torch.testing.assert_close(out[0].float(), expected, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("name", ["int4_per_token_head", "k8v4_per_token_head"])
+@pytest.mark.parametrize("path", ["row loop, fp32 query", "bf16 products, bf16 query"])
+def test_every_packed_code_decodes_exactly(kernels, tiles, name, path):
+    """One cached token of a packed 4-bit cache whose V holds all 16 int4 codes in both nibbles of its bytes
+    (channel c = (c % 16) - 8; per-token scale 0.5): attention over it returns V exactly, through the row loop
+    and through the bf16 products' nibble widening."""
+    dt = resolve_cache_dtype(name)
+    heads, dim = 2, 64
+    cache = torch.zeros(2, dt.planes, BS, heads, dim // 2, dtype=torch.uint8)
+    codes = (torch.arange(dim) % 16 - 8).repeat(heads, 1)
+    low, high = codes[:, : dim // 2] & 0xF, codes[:, dim // 2 :] & 0xF
+    cache[1, dt.side_planes(1)[0], 0] = (low | high << 4).to(torch.uint8)
+    scales = torch.full((2, 2, BS, heads), float("nan"))
+    scales[1, :, 0] = 0.5
+    layer = PagedLayer(cache, dt, None, None, scales)
+    k, q_dtype = (kernels, torch.float32) if path.startswith("row") else (tiles[1], torch.bfloat16)
+    query = torch.randn(1, 2 * heads, dim).to(q_dtype)
+    out = k.attend(layer, query, StepMetadata.build([BS], [[1]], [1]), dim**-0.5)
+    expected = (0.5 * codes.float()).repeat_interleave(2, dim=0)
+    torch.testing.assert_close(out[0].float(), expected, rtol=0, atol=0)
+
+
 CASES = [
     (name, window, rotate, channel)
     for name in DTYPES
@@ -214,6 +236,7 @@ def _takes_tiles(k: CpuKernels, layer: PagedLayer, qdt: torch.dtype) -> bool:
     """Whether csrc/paged_decode.h computes this layer's bf16 decode rows in bf16 products (``decode::supports``)."""
     dt = layer.dt
     ok_dtype = dt.name in ("bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "fp8_per_token_head", "int8_per_token_head")
+    ok_dtype |= dt.packed and layer.head_dim % 64 == 0  # whole 32-channel chunks per half row
     ok_shape = layer.head_dim % 32 == 0 and not layer.channel
     return k.dense_tiles is not None and qdt == torch.bfloat16 and ok_dtype and ok_shape
 
@@ -234,7 +257,16 @@ def _log_missing(kind: str, k: CpuKernels, what: str) -> None:
 
 DECODE_CASES = [
     (name, d, group, window, rotate)
-    for name in ("bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "fp8_per_token_head", "int8_per_token_head")
+    for name in (
+        "bfloat16",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "int8",
+        "fp8_per_token_head",
+        "int8_per_token_head",
+        "int4_per_token_head",
+        "k8v4_per_token_head",
+    )
     for d, group in ((64, 3), (128, 4), (32, 16), (64, 1), (256, 9))
     for window, rotate in ((None, False), (20, True))
 ]
@@ -244,15 +276,18 @@ DECODE_CASES = [
 def test_decode_rows_in_bf16_products_match_the_reference(kernels, tiles, name, d, group, window, rotate):
     """Decode rows of bf16 queries in bf16 products (``dense_prefill``: AMX tiles or VDPBF16PS, where the CPU has
     them): the reference's attention to bf16 rounding, over partial blocks, windows, rotation, static and per-token
-    scales, every group size up to 16 (more than 8 query heads take VDPBF16PS two register groups) and head_dim
-    up to 256. Where the CPU lacks the product the same rows run the row loop (and the log says so)."""
+    scales, the packed 4-bit caches (their nibbles and split int8 half rows widened to bf16; head_dim % 64 == 0,
+    else the row loop), every group size up to 16 (more than 8 query heads take VDPBF16PS two register groups)
+    and head_dim up to 256. Where the CPU lacks the product the same rows run the row loop (and the log says
+    so)."""
     kind, k = tiles
     _log_missing(kind, k, "decode rows run the row loop")
     seq_lens = [50, 5, 129, 17, 70, 16, 300]
     sc, got, want = _against_reference(k, name, seq_lens, [1] * len(seq_lens), group, d, window, rotate)
     assert got.dtype == torch.bfloat16
-    assert _takes_tiles(k, sc.layer, torch.bfloat16) == (k.dense_tiles == kind)
-    if k.dense_tiles is None:  # the row loop's bits
+    taken = _takes_tiles(k, sc.layer, torch.bfloat16)
+    assert taken == (k.dense_tiles == kind and (d % 64 == 0 or not sc.layer.dt.packed))
+    if not taken:  # the row loop's bits
         assert torch.equal(bits(got), bits(kernels.attend(sc.layer, sc.query, sc.meta, sc.sm_scale)))
 
 
