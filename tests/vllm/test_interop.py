@@ -45,7 +45,10 @@ pytestmark = pytest.mark.slow
 
 WINDOWS, WINDOW = 4, 512
 KV_BYTES = 256 << 20
-GREEDY_NATS = 0.1  # a greedy pick may trail vLLM's top token by this much: a few bf16 ulps of a logit
+# a greedy pick may trail vLLM's top token by this many bf16 ulps of its logit: where two logits tie in one
+# engine's bf16 (qkv's logits of tokens 436 and 314 at the 9th pick below are both 23.125), the other engine's
+# rounding orders them, and one ulp at that size is 0.125 nats
+GREEDY_ULPS = 2
 
 
 def _spec(model, kv_cache_dtype="auto", **kw) -> dict:
@@ -188,12 +191,15 @@ def test_bf16_perplexity_and_greedy_agree_with_qkv(vllm_bf16, qkv_bf16, windows)
     out = qkv_bf16.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     picks = out.outputs[0].token_ids
     lp, top = vllm_bf16.prompt_logprobs([prompt + picks])
-    gaps = [top[0][i][1] - lp[0][i] for i in range(len(prompt) - 1, len(prompt) - 1 + len(picks))]
+    steps = range(len(prompt) - 1, len(prompt) - 1 + len(picks))
+    gaps = torch.tensor([top[0][i][1] - lp[0][i] for i in steps])
+    mine = prefill_logits(engine, prompt + picks)[list(steps)].float().gather(1, torch.tensor(picks)[:, None])[:, 0]
+    ulp = torch.exp2(torch.floor(torch.log2(mine.abs())) - 7)  # of a bf16 of that size
     print(
-        f"qkv's 16 greedy picks trail vLLM's top token by at most {max(gaps):.4f} nats "
-        f"({sum(g == 0 for g in gaps)} of 16 are vLLM's top token)"
+        f"qkv's 16 greedy picks trail vLLM's top token by at most {gaps.max():.4f} nats, "
+        f"{(gaps / ulp).max():.2f} bf16 ulps of their logits ({int((gaps == 0).sum())} of 16 are vLLM's top token)"
     )
-    assert max(gaps) <= GREEDY_NATS
+    assert bool((gaps <= GREEDY_ULPS * ulp).all())
 
 
 def test_fp8_fold_export_beats_the_plain_checkpoint_and_halves_the_loss_of_scale_one(
