@@ -1,5 +1,5 @@
 // What the AMX kernels share (included by amx_decode.h and amx_prefill.h): the tile configuration's layout and
-// the OS's permission (the 16-lane exp of their online softmax is avx512_common.h's). Built only where -march
+// the OS's permission. Built only where -march
 // enables AMX-BF16 and AVX512-BF16; elsewhere qkv_amx_available() says 0 and the launcher keeps the row loop.
 #pragma once
 #include "avx512_common.h"
@@ -18,16 +18,13 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-constexpr int MAX_D = 256, MAX_G = 16, BS = 16;
+constexpr int MAX_D = 256;  // the largest head_dim of the prefill tiles
 
 // Linux hands AMX's tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
 static bool permitted() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ok;
 }
-
-using vec16::exp16;
-using vec16::exp16_bf;
 
 }  // namespace amx
 

@@ -23,10 +23,6 @@ namespace amx {
 #define T_O 5
 
 struct DecodeTiles {
-  static bool supports(const CacheDesc& c, int G, int32_t q_dtype) {
-    return permitted() && decode::supports(c, G, q_dtype);
-  }
-
   static void begin(int G) {
     TileConfig cfg = {};
     cfg.palette_id = 1;
@@ -34,8 +30,8 @@ struct DecodeTiles {
       cfg.rows[t] = (uint8_t)rows;
       cfg.colsb[t] = (uint16_t)colsb;
     };
-    set(T_S, BS, 4 * G);
-    set(T_K, BS, 64);
+    set(T_S, decode::BS, 4 * G);
+    set(T_K, decode::BS, 64);
     set(T_Q, 16, 4 * G);
     set(T_P, G, 64);
     set(T_V, 16, 64);
@@ -50,6 +46,7 @@ struct DecodeTiles {
   // The round's work for kv head h: S^T = K.Q^T block by block, the online softmax, then O += P.V.
   template <int32_t DK, int32_t DV, bool PK>
   static void round(const AttnArgs& a, const decode::Round& rd, int h, decode::HeadState& hs, decode::Work& w) {
+    using decode::BS;
     using decode::NB;
     using decode::RK;
     const CacheDesc& c = a.cache;
@@ -73,14 +70,12 @@ struct DecodeTiles {
     }
     // S^T's column g for block i: a gather of 16 keys
     const __m512i rows16 = _mm512_slli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 4);
-    float alpha[MAX_G];
+    float alpha[decode::MAX_G];
     decode::softmax(a, rd, h, hs, w, alpha, [&](int i, int g) {
       return _mm512_i32gather_ps(_mm512_add_epi32(rows16, _mm512_set1_epi32(g)), w.sb + i * BS * 16, 4);
     });
     // V in pairs of keys, the B operand's layout: vb[D/16][RK/2][32]
-    const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+    const __m512i pair_lo = decode::pairs_lo(), pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
     const int pairs = (nb + 1) / 2 * BS;  // whole 32-key steps
     for (int r = 0; r < pairs; ++r)
       for (int d = 0; d < D; d += 32) {

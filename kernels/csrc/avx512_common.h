@@ -45,6 +45,13 @@ static inline __m512 exp16_bf(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
+// Two adjacent bf16 (a channel pair or a key pair) broadcast to all 16 lanes: VDPBF16PS's B operand.
+static inline __m512bh bcast_pair(const uint16_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  return (__m512bh)_mm512_set1_epi32((int)x);
+}
+
 }  // namespace vec16
 
 #endif

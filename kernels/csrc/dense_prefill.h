@@ -47,12 +47,6 @@ struct Dp16 {
   static void begin() {}
   static void end() {}
 
-  static inline __m512bh bcast(const uint16_t* p) {
-    uint32_t x;
-    std::memcpy(&x, p, 4);
-    return (__m512bh)_mm512_set1_epi32((int)x);
-  }
-
   // sb[k][16 rows] = K[k] . Q^T for the step's 32 keys; qb is Q^T in channel pairs ([D/2][16 rows][2]).
   static void scores(const uint16_t* qb, const uint16_t* krows, int D, float* sb) {
     constexpr int NK = 8;  // keys in flight: enough independent sums to hide the instruction's latency
@@ -61,7 +55,7 @@ struct Dp16 {
       for (int j = 0; j < NK; ++j) acc[j] = _mm512_setzero_ps();
       for (int p = 0; p < D / 2; ++p) {
         const __m512bh q = (__m512bh)_mm512_load_si512(qb + p * 32);
-        for (int j = 0; j < NK; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], q, bcast(krows + (k0 + j) * D + 2 * p));
+        for (int j = 0; j < NK; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], q, vec16::bcast_pair(krows + (k0 + j) * D + 2 * p));
       }
       for (int j = 0; j < NK; ++j) _mm512_store_ps(sb + (k0 + j) * 16, acc[j]);
     }
@@ -77,7 +71,7 @@ struct Dp16 {
       __m512 acc[NC];
       for (int i = 0; i < NC; ++i) acc[i] = _mm512_load_ps(o + (d0 + i) * 16);
       for (int j = 0; j < PK / 2; ++j)
-        for (int i = 0; i < NC; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], p[j], bcast(va + (d0 + i) * PK + 2 * j));
+        for (int i = 0; i < NC; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], p[j], vec16::bcast_pair(va + (d0 + i) * PK + 2 * j));
       for (int i = 0; i < NC; ++i) _mm512_store_ps(o + (d0 + i) * 16, acc[i]);
     }
   }

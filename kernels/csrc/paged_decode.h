@@ -158,13 +158,9 @@ static const uint16_t* block_rows(const CacheDesc& c, const Round& rd, int i, in
     for (int kv = 0; kv < 2; ++kv)
       for (int j = 0; j < BS; ++j) {
         const char* p = base + row_base(c, rd.next[i], kv, j, h) * bytes;
-        if constexpr (PK) {  // half rows: one plane, or two for a split int8 side
-          for (int off = 0; off < D / 2; off += 64) {
-            _mm_prefetch(p + off, _MM_HINT_T0);
-            if (c.side_hi[kv] != 0) _mm_prefetch(p + c.side_hi[kv] + off, _MM_HINT_T0);
-          }
-        } else {
-          for (int64_t off = 0; off < D * bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+        for (int64_t off = 0; off < c.row_elems * bytes; off += 64) {  // a packed side's half row, and its
+          _mm_prefetch(p + off, _MM_HINT_T0);                           // second plane if it has one
+          if (PK && c.side_hi[kv] != 0) _mm_prefetch(p + c.side_hi[kv] + off, _MM_HINT_T0);
         }
       }
   }
@@ -194,6 +190,13 @@ static const uint16_t* block_rows(const CacheDesc& c, const Round& rd, int i, in
     }
   }
   return krows;
+}
+
+// The permutation that interleaves two V rows' channels [0, 16) into key pairs (x[c], y[c]) with
+// _mm512_permutex2var_epi16(x, idx, y); adding 16 to it takes channels [16, 32).
+static inline __m512i pairs_lo() {
+  return _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35,
+                          3, 34, 2, 33, 1, 32, 0);
 }
 
 // The online softmax of a round for kv head h, 16 keys a vector: raw(i, g) is the product's S for block i and
@@ -238,9 +241,6 @@ static void softmax(const AttnArgs& a, const Round& rd, int h, HeadState& hs, Wo
 // keys' sums reduced together by a transposing tree into one vector of keys. O: lanes are 16 channels, each
 // key pair's V rows interleaved once, P's pair broadcast per query head, so there is no reduction.
 struct Dp16 {
-  static bool supports(const CacheDesc& c, int G, int32_t q_dtype) { return decode::supports(c, G, q_dtype); }
-  static void begin(int) {}
-  static void end() {}
   static int qb_index(int d, int g, int, int D) { return g * D + d; }  // the group's query rows, [G][D]
 
   // v[k]'s 16 lanes summed, for k = 0 .. 15, as one vector (lane k): four levels of interleave and add.
@@ -255,12 +255,6 @@ struct Dp16 {
     const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
     const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
-  }
-
-  static inline __m512bh bcast(const uint16_t* p) {
-    uint32_t x;
-    std::memcpy(&x, p, 4);
-    return (__m512bh)_mm512_set1_epi32((int)x);
   }
 
   template <int32_t DK, int32_t DV, bool PK>
@@ -286,9 +280,7 @@ struct Dp16 {
     float alpha[MAX_G];
     softmax(a, rd, h, hs, w, alpha, [&](int i, int g) { return _mm512_load_ps(w.sb + ((size_t)i * G + g) * 16); });
     // O = alpha O + P.V, 32 channels and up to 8 query heads at a time in registers
-    const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+    const __m512i pair_lo = pairs_lo(), pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
     const int pairs = rd.nb * BS / 2;
     for (int d = 0; d < D; d += 32)
       for (int g0 = 0; g0 < G; g0 += 8) {
@@ -305,7 +297,7 @@ struct Dp16 {
           const __m512bh vlo = (__m512bh)_mm512_permutex2var_epi16(x, pair_lo, y);
           const __m512bh vhi = (__m512bh)_mm512_permutex2var_epi16(x, pair_hi, y);
           for (int j = 0; j < ng; ++j) {
-            const __m512bh p = bcast(w.pb + (g0 + j) * RK + 2 * r);
+            const __m512bh p = vec16::bcast_pair(w.pb + (g0 + j) * RK + 2 * r);
             lo[j] = _mm512_dpbf16_ps(lo[j], vlo, p);
             hi[j] = _mm512_dpbf16_ps(hi[j], vhi, p);
           }
