@@ -146,7 +146,8 @@ struct Round {
 // round reads one head's rows of each at a stride, which the hardware prefetcher does not follow; without the
 // hint an 8-bit cache, whose rows are widened through stores, keeps few misses in flight and runs at a fraction
 // of the memory's bandwidth. One head's rows at a time keeps the requests spread over the round, not in a burst
-// that overflows the miss buffers.
+// that overflows the miss buffers. The hint is for L2, not L1: an L1 prefetch holds one of the core's few L1
+// fill buffers until its line arrives, and the current block's own loads then queue behind the next round's.
 template <int32_t DK, int32_t DV, bool PK>
 static const uint16_t* block_rows(const CacheDesc& c, const Round& rd, int i, int h, Work& w, int64_t& kstride,
                                   const uint16_t** vrow) {
@@ -159,8 +160,8 @@ static const uint16_t* block_rows(const CacheDesc& c, const Round& rd, int i, in
       for (int j = 0; j < BS; ++j) {
         const char* p = base + row_base(c, rd.next[i], kv, j, h) * bytes;
         for (int64_t off = 0; off < c.row_elems * bytes; off += 64) {  // a packed side's half row, and its
-          _mm_prefetch(p + off, _MM_HINT_T0);                           // second plane if it has one
-          if (PK && c.side_hi[kv] != 0) _mm_prefetch(p + c.side_hi[kv] + off, _MM_HINT_T0);
+          _mm_prefetch(p + off, _MM_HINT_T1);                           // second plane if it has one
+          if (PK && c.side_hi[kv] != 0) _mm_prefetch(p + c.side_hi[kv] + off, _MM_HINT_T1);
         }
       }
   }
