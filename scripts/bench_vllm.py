@@ -19,7 +19,8 @@ keeps its own scheduling defaults otherwise (its CPU block size is 128 tokens, q
 
 Each repeat runs every engine once, in rotating order, so a drift of the machine hits all alike, and each alone:
 the vLLM workers not being timed are frozen (SIGSTOP), since an idle vLLM's wake-ups slow the engine beside it. The JSON
-records medians, every run, ratios (qkv over vLLM, higher is better for qkv; qkv's dtypes over its bf16),
+records medians, every run (for qkv's budget runs also how full the batch was: steps, preemptions, running
+sequences by quarter of the run), ratios (qkv over vLLM, higher is better for qkv; qkv's dtypes over its bf16),
 the CPU's flags, the thread count and the load average before and after. vLLM's fp8 cache needs AVX-512 or
 AMX: on a CPU without both, the JSON says so and only vLLM bf16 runs.
 """
@@ -74,14 +75,41 @@ class VllmRunner:
 
 
 class QkvRunner:
+    """qkv's engine; besides the time, each run's scheduling: steps, preemptions and the running sequences after
+    each step (``schedule``), which say how full the batch was, and for how long it drained at the end."""
+
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
+        self.schedule: dict = {}
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        outs = self.llm.generate(prompts, sp)
-        return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+        engine = self.llm.llm_engine
+        stats, step = engine.stats, engine.step
+        before = (stats.num_steps, stats.num_preemptions)
+        running: list[int] = []
+
+        def counted_step():  # one attribute read a step: no cost that shows in the timing
+            out = step()
+            running.append(stats.num_running)
+            return out
+
+        engine.step = counted_step  # type: ignore[method-assign]
+        try:
+            t0 = time.perf_counter()
+            outs = self.llm.generate(prompts, sp)
+            seconds = time.perf_counter() - t0
+        finally:
+            del engine.step  # the instance attribute; the class's method again
+        n = len(running)
+        self.schedule = {
+            "steps": stats.num_steps - before[0],
+            "preemptions": stats.num_preemptions - before[1],
+            "mean_running": statistics.fmean(running) if running else 0.0,
+            # the mean running sequences in each quarter of the steps: the last is the drain, once nothing waits
+            "running_by_quarter": [statistics.fmean(running[i * n // 4 : (i + 1) * n // 4] or [0]) for i in range(4)],
+        }
+        return seconds, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def measure(runner, workload: str, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
@@ -94,6 +122,8 @@ def measure(runner, workload: str, prompts: list[list[int]]) -> tuple[dict, list
     row = {"seconds": seconds}
     if workload == "budget":
         row["output_tokens_per_s"] = n * out_len / seconds
+        if isinstance(runner, QkvRunner):
+            row["schedule"] = runner.schedule
     return row, ids
 
 
