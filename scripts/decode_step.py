@@ -1,7 +1,8 @@
 """One decode step's time at a fixed batch and context, per cache dtype: how a step grows with its rows.
 
-    .venv/bin/python scripts/decode_step.py [--batches 12,24] [--context 256] [--kv-cache-dtypes auto,fp8]
-        [-o eval/results/bench/decode_step_smollm2.json]
+    .venv/bin/python scripts/decode_step.py [--batches 12,24] [--context 256] [--kv-cache-dtypes auto,fp8] -o OUT.json
+
+(``--batches 12,24,34 -o eval/results/bench/decode_step_xeon_smollm2.json`` made the committed JSON.)
 
 The budget row of ``scripts/bench_vllm.py`` runs about twice the sequences in an 8-bit cache as in bf16, so what
 an 8-bit cache buys there is at most 2 x step(B) / step(2B) at the batches B it runs. Each figure is
