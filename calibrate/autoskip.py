@@ -69,6 +69,7 @@ class _Scorer:
             specs,
             {i: s for i, s in self.scales.items() if i in quantized},
             {i: c for i, c in self.clips.items() if i in quantized},
+            {i: b for i, b in (self.cal.bases or {}).items() if i in quantized},
         )
 
     def logits(self, ids: list[int]) -> torch.Tensor:

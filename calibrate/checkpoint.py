@@ -141,6 +141,9 @@ def _scale_tensors(cal: Calibration, prefixes: dict[int, str]) -> dict[str, torc
     for c in cal.clips or []:
         out[f"{prefixes[c.layer]}.k_clip"] = torch.tensor([c.k_clip], dtype=torch.float32)
         out[f"{prefixes[c.layer]}.v_clip"] = torch.tensor([c.v_clip], dtype=torch.float32)
+    for layer, basis in sorted((cal.bases or {}).items()):
+        out[f"{prefixes[layer]}.k_mean"] = basis.mean.to(torch.float32).contiguous()
+        out[f"{prefixes[layer]}.k_smooth"] = basis.smooth.to(torch.float32).contiguous()
     for r in cal.layers:
         shape = {"head": (r.num_kv_heads,), "channel": (r.num_kv_heads, -1)}.get(cal.strategy, (1,))
         out[f"{prefixes[r.layer]}.k_scale"] = r.k_scale.to(torch.float32).reshape(shape).contiguous()
@@ -237,6 +240,7 @@ def vllm_note(cal: Calibration) -> str:
         return (
             f"clipping ratios are a qkv extension: vLLM's {cal.kv_dtype.name} (where it has one) computes "
             "unclipped per-token scales"
+            + ("; K's centring and smoothing (k_mean, k_smooth) are qkv's too" if cal.bases else "")
         )
     if cal.kind == "int":
         return "vLLM has no static int8 KV cache; it loads these weights but not the int8 scales"

@@ -21,11 +21,12 @@ import torch
 from tqdm.auto import tqdm
 
 from qkv.kernels.quant import CacheDtype, dequantize, dynamic_scales, hadamard_rotate, quantize
+from qkv.key_basis import KeyBasis, KeyStats
 from qkv.scoring import prefill_logits
 
 from .stats import single_thread
 
-__all__ = ["CLIP_RATIOS", "ClipErrors", "LayerClip", "choose_clips", "observe_clip_errors"]
+__all__ = ["CLIP_RATIOS", "ClipErrors", "LayerClip", "choose_clips", "observe_clip_errors", "observe_key_bases"]
 
 CLIP_RATIOS = tuple(round(1.0 - 0.025 * i, 3) for i in range(25))  # 1.0, 0.975, ..., 0.4
 
@@ -76,12 +77,31 @@ def observe_clip_errors(
     """Round-trip errors of every layer's K (side 0) and V (side 1) over ``chunks``, keyed ``(layer, side)``."""
     errors = {(s.layer_idx, kv): ClipErrors(dt, kv) for s in engine.layer_specs for kv in (0, 1)}
 
-    def observer(layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def observer(layer_idx: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor) -> None:
         with single_thread():
             for kv, x in enumerate((key, value)):
                 errors[layer_idx, kv].update(hadamard_rotate(x) if rotation == "hadamard" else x)
 
-    bar = tqdm(total=len(chunks), desc="calibrating clipping", unit="sample", disable=not progress)
+    run_samples(engine, chunks, observer, "calibrating clipping", progress)
+    return errors
+
+
+def observe_key_bases(engine, chunks: list[list[int]], progress: bool = True) -> dict[int, KeyBasis]:
+    """Every layer's key basis (:mod:`qkv.key_basis`: K's mean, and its smoothing against Q) over ``chunks``,
+    from an engine whose layers have none yet, so that the statistics are of K and Q as the model makes them."""
+    stats = {s.layer_idx: KeyStats() for s in engine.layer_specs}
+
+    def observer(layer_idx: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor) -> None:
+        with single_thread():
+            stats[layer_idx].update(query, key)
+
+    run_samples(engine, chunks, observer, "calibrating the key basis", progress)
+    return {i: st.basis() for i, st in stats.items()}
+
+
+def run_samples(engine, chunks: list[list[int]], observer, desc: str, progress: bool) -> None:
+    """Prefill every chunk through ``engine`` with ``observer`` on."""
+    bar = tqdm(total=len(chunks), desc=desc, unit="sample", disable=not progress)
     for chunk in chunks:
         if len(chunk) > engine.max_model_len:
             raise ValueError(
@@ -91,7 +111,6 @@ def observe_clip_errors(
         prefill_logits(engine, chunk, observer=observer, keep_logits=False)
         bar.update(1)
     bar.close()
-    return errors
 
 
 def choose_clips(errors: dict[tuple[int, int], ClipErrors]) -> list[LayerClip]:

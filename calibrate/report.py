@@ -83,6 +83,15 @@ def calibration_record(cal: Calibration, output: dict | None = None) -> dict:
             }
             for c in cal.clips or []
         ],
+        "key_basis": [
+            {
+                "layer": i,
+                "k_mean_abs_max": float(b.mean.abs().max()),
+                "k_smooth_min": float(b.smooth.min()),
+                "k_smooth_max": float(b.smooth.max()),
+            }
+            for i, b in sorted((cal.bases or {}).items())
+        ],
     }
 
 
@@ -92,7 +101,8 @@ def scale_convention(cal: Calibration) -> str:
     if cal.clips is not None:
         qmax = "/".join(f"{dt.side_qmax(kv):g}" for kv in (0, 1)) if dt.side_qmax(0) != dt.side_qmax(1) else None
         q = f"{qmax} (K/V)" if qmax else f"{dt.side_qmax(0):g}"
-        return f"q = x / scale; scale = amax(token, head) / {q} * clip (clip per layer and side)"
+        basis = "; on centred, smoothed K (k_mean, k_smooth)" if cal.bases else ""
+        return f"q = x / scale; scale = amax(token, head) / {q} * clip (clip per layer and side){basis}"
     return f"q = x / scale; scale = amax / {dt.qmax:g}"
 
 

@@ -32,11 +32,12 @@ from qkv.kernels.quant import (
     hadamard_rotate,
     resolve_cache_dtype,
 )
+from qkv.key_basis import KeyBasis
 from qkv.llm import LLM
 from qkv.options import option, validate_options
 from qkv.scoring import prefill_logits
 
-from .clipping import LayerClip, choose_clips, observe_clip_errors
+from .clipping import LayerClip, choose_clips, observe_clip_errors, observe_key_bases
 from .data import PACKINGS, RawData, Samples, build_samples
 from .observers import OBSERVER_NAMES, MinMax, Observer, make_observer, scales_from_amax
 from .selfgen import GEN_BATCH, generate_samples
@@ -103,6 +104,7 @@ class Calibration:
     sensitivity: dict | None = None  # auto-skip's per-layer measurements
     fold: dict | None = None  # export-vllm --fold: what was folded into the weights before these scales
     clips: list[LayerClip] | None = None  # per-token 4-bit modes: the ratios chosen instead of scales (no layers)
+    bases: dict[int, KeyBasis] | None = None  # per-token 4-bit modes with --key-basis: K's centring and smoothing
     stats: dict[tuple[int, str], TensorStats] | None = field(default=None, repr=False)  # what the scales came from
     date: str = field(
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -184,7 +186,7 @@ def observe(
                     spec.num_kv_heads, reservoir, seed=seed * 100003 + 2 * spec.layer_idx + j
                 )
 
-    def observer(layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def observer(layer_idx: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor) -> None:
         with single_thread():
             for r, stats in sets.items():
                 k, v = (hadamard_rotate(key), hadamard_rotate(value)) if r == "hadamard" else (key, value)
@@ -276,10 +278,20 @@ class CalibrationSpec:
         choices=PACKINGS,
     )
     seed: int = option(0, "seed for the sample draw")
+    key_basis: bool = option(
+        False,
+        "the 4-bit per-token modes: centre K and smooth it against Q per channel before the cache quantizes it "
+        "(qkv extension; attention is unchanged in exact arithmetic), then choose the ratios for that K",
+    )
 
     def __post_init__(self) -> None:
         validate_options(self)
-        resolve_target(self.kv_cache_dtype, self.strategy, self.observer)
+        dt = resolve_target(self.kv_cache_dtype, self.strategy, self.observer)
+        if self.key_basis and not dt.packed:
+            raise ValueError(
+                f"--key-basis applies to the 4-bit per-token modes, not {self.kv_cache_dtype}: their scales "
+                "follow each token, so the basis changes no scale to recalibrate"
+            )
         if self.percentile is not None and self.observer != "percentile":
             raise ValueError("--percentile only applies to --observer percentile")
 
@@ -325,11 +337,20 @@ def calibrate(
         else:
             samples = generate_samples(llm, num_samples, seq_len, seed, progress)
     t1 = time.perf_counter()
-    clips, layers, stats = None, [], None
+    clips, layers, stats, bases = None, [], None, None
     if dt.dynamic:
         rot = None if rotation == "none" else rotation
-        clips = choose_clips(observe_clip_errors(engine, samples.chunks, dt, rot, progress))
+        if sp.key_basis:  # the ratios are then chosen for the centred, smoothed K the cache will store
+            bases = observe_key_bases(engine, samples.chunks, progress)
+            engine.replace_kv_cache(engine.layer_specs, bases=bases)
+        try:
+            clips = choose_clips(observe_clip_errors(engine, samples.chunks, dt, rot, progress))
+        finally:
+            if bases is not None:  # auto-skip scores on this engine next and installs what it measures
+                engine.replace_kv_cache(engine.layer_specs)
         strategy, described = "token_head", {"observer": "mse", "objective": "round-trip MSE per layer and side"}
+        if bases:
+            described = dict(described, key_basis="K centred and smoothed against Q (qkv.key_basis)")
     else:
         stats = observe(
             engine, samples.chunks, reservoir=obs.reservoir, seed=seed, progress=progress, rotations=(rotation,)
@@ -344,6 +365,7 @@ def calibrate(
         observer=described,
         layers=layers,
         clips=clips,
+        bases=bases,
         samples_info=samples.info,
         num_samples=len(samples.chunks),
         num_tokens=samples.num_tokens,

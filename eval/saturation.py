@@ -40,7 +40,7 @@ def count_saturation(engine, windows: list[list[int]], sources: dict[str, KVScal
     counts = {name: dict.fromkeys(("k", "v", "k_at_or_past_split", "v_at_or_past_split"), 0) for name in sources}
     total = [0]
 
-    def observer(layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def observer(layer: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor) -> None:
         heads, dim = key.shape[1], key.shape[2]
         past = torch.arange(key.shape[0]) >= split_at  # one prefill chunk per window: row = position
         for name, sc in sources.items():

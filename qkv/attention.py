@@ -38,14 +38,15 @@ class StepContext:
     """Everything the attention layers need for one forward over a flattened batch.
 
     ``meta`` is built once per step by the runner; every layer reads it and none rebuilds it.
-    ``observer``, when set, is called as ``observer(layer_idx, key, value)``
-    with the ``[T, Hkv, D]`` tensors about to be stored (calibration hooks in here).
+    ``observer``, when set, is called as ``observer(layer_idx, key, value, query)``
+    with the ``[T, Hkv, D]`` tensors about to be stored and the ``[T, H, D]`` queries, in the cache's key basis
+    where the layer has one (calibration hooks in here).
     """
 
     cache: KVCache
     backend: AttentionBackend
     meta: StepMetadata
-    observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+    observer: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def attend_layer(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
@@ -53,8 +54,10 @@ class StepContext:
         """Write this step's ``[T, Hkv, D]`` keys and values of one layer into its cache, then attend over it with
         the ``[T, H, D]`` queries (write-then-attend): the eager and the compiled forward both come here."""
         layer = self.cache.layers[layer_idx]
+        if layer.key_basis is not None:  # centred and smoothed K for a calibrated 4-bit cache (qkv.key_basis)
+            q, k = layer.key_basis.queries(q), layer.key_basis.keys(k)
         if self.observer is not None:
-            self.observer(layer_idx, k, v)
+            self.observer(layer_idx, k, v, q)
         self.backend.write(layer, k, v, self.meta)
         return self.backend.attend(layer, q, self.meta, scaling)
 

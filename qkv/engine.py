@@ -69,7 +69,7 @@ class LLMEngine:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
 
         layout = attention_layout(self.model)
-        self.layer_specs, scales, clips = resolve_kv_cache(
+        self.layer_specs, scales, clips, bases = resolve_kv_cache(
             layout,
             self.model_path,
             config.kv_cache_dtype,
@@ -83,7 +83,7 @@ class LLMEngine:
         else:
             memory = parse_size(config.kv_cache_memory or EngineConfig.DEFAULT_KV_CACHE_MEMORY)
             num_blocks = plan_num_blocks(self.layer_specs, config.block_size, memory)
-        self.cache = KVCache(self.layer_specs, num_blocks, config.block_size, self.device, scales, clips)
+        self.cache = KVCache(self.layer_specs, num_blocks, config.block_size, self.device, scales, clips, bases)
         self.block_size = config.block_size
         max_pos = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         self.max_model_len = (
@@ -132,7 +132,9 @@ class LLMEngine:
                 ids.update(src)
         return ids
 
-    def replace_kv_cache(self, specs: list, scales: dict | None = None, clips: dict | None = None) -> None:
+    def replace_kv_cache(
+        self, specs: list, scales: dict | None = None, clips: dict | None = None, bases: dict | None = None
+    ) -> None:
         """Swap in a cache with other per-layer specs (same block count), e.g. one layer quantized at a time.
 
         Auto-skip measures each layer's sensitivity this way without reloading the
@@ -141,7 +143,7 @@ class LLMEngine:
         if self.requests:
             raise RuntimeError("replace_kv_cache needs an idle engine (requests are running)")
         self.pool.reset_prefix_cache()  # cached blocks would hold the old cache's contents
-        self.cache = KVCache(specs, self.cache.num_blocks, self.block_size, self.device, scales, clips)
+        self.cache = KVCache(specs, self.cache.num_blocks, self.block_size, self.device, scales, clips, bases)
         self._prepare(self.cache)
         self.runner.cache = self.cache
         self.layer_specs = specs

@@ -15,6 +15,7 @@ import torch
 
 from .kernels.paged import PagedLayer
 from .kernels.quant import CacheDtype
+from .key_basis import KeyBasis
 
 __all__ = ["LayerSpec", "LayerCache", "KVCache", "plan_num_blocks", "capacity_line"]
 
@@ -45,6 +46,7 @@ class LayerCache(PagedLayer):
     """
 
     spec: LayerSpec = field(kw_only=True)
+    key_basis: KeyBasis | None = field(default=None, kw_only=True)  # calibrated 4-bit caches (qkv.key_basis)
 
 
 def bytes_per_block(specs: list[LayerSpec], block_size: int) -> int:
@@ -73,9 +75,11 @@ class KVCache:
         device: torch.device | str = "cpu",
         scales: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
         clips: dict[int, tuple[float, float]] | None = None,
+        bases: dict[int, KeyBasis] | None = None,
     ) -> None:
         """``scales``: static scales per layer index; ``clips``: calibrated ``(k_clip, v_clip)`` of dynamic
-        layers (1.0 where absent)."""
+        layers (1.0 where absent); ``bases``: key bases per layer index (none where absent; calibration puts one on
+        its BF16 cache too, where it changes roundings only)."""
         self.specs = specs
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -100,6 +104,7 @@ class KVCache:
                 k_clip,
                 v_clip,
                 spec=s,
+                key_basis=bases[s.layer_idx].to(device) if bases and s.layer_idx in bases else None,
             )
             self.layers.append(layer)
 

@@ -14,7 +14,9 @@ Sources, in the order vLLM remaps them:
 
 The per-token modes need no scales, but a calibrated 4-bit cache carries *clipping ratios*
 (``qkv calibrate --kv-cache-dtype int4_per_token_head``): ``self_attn.k_clip`` / ``v_clip`` tensors of one
-value per layer, in the same files and section, whose ``kv_cache_dtype`` names the mode they were chosen for.
+value per layer, in the same files and section, whose ``kv_cache_dtype`` names the mode they were chosen for,
+and, where calibration chose one, a key basis (``self_attn.k_mean`` / ``k_smooth``, fp32 ``[Hkv, D]``:
+:mod:`qkv.key_basis`).
 
 qkv's extensions travel in the same metadata: ``strategy: channel`` (``[Hkv, D]``
 scales), ``rotation: hadamard`` (scales of rotated K/V) and ``skip_layers``
@@ -36,6 +38,7 @@ import torch
 from safetensors import safe_open
 
 from .kernels.quant import ROTATIONS
+from .key_basis import KeyBasis
 from .kv_cache import LayerSpec
 
 __all__ = [
@@ -52,7 +55,9 @@ logger = logging.getLogger("qkv")
 
 QKV_SECTION = "qkv_kv_cache"
 QKV_SCALES_FILE = "qkv_kv_scales.safetensors"
-_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:(?:k_proj|v_proj)\.)?(k_scale|v_scale|kv_scale|k_clip|v_clip)$")
+_NAME = re.compile(
+    r"layers\.(\d+)\.self_attn\.(?:(?:k_proj|v_proj)\.)?(k_scale|v_scale|kv_scale|k_clip|v_clip|k_mean|k_smooth)$"
+)
 _warned: set[str] = set()
 
 
@@ -71,6 +76,8 @@ class KVScales:
     k_clip: dict[int, float] = field(default_factory=dict)  # per-token modes: clipping ratio per layer
     v_clip: dict[int, float] = field(default_factory=dict)
     clip_dtype: str | None = None  # the per-token mode the ratios were chosen for
+    k_mean: dict[int, torch.Tensor] = field(default_factory=dict)  # per-token modes: key basis per layer
+    k_smooth: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _warn_once(msg: str) -> None:
@@ -116,11 +123,11 @@ def _read_config(path: Path, flag: str) -> dict:
 
 
 def _read_tensors(f: Path, flag: str, path: Path, want_meta: bool) -> tuple[dict, dict, dict, dict]:
-    """K and V scale tensors of one safetensors file, its clipping ratios (``{"k": {layer: t}, "v": ...}``) and
-    its metadata; a corrupt file names the flag and file."""
+    """K and V scale tensors of one safetensors file, its clipping ratios and key bases (``{"k": {layer: t},
+    "v": ..., "mean": ..., "smooth": ...}``) and its metadata; a corrupt file names the flag and file."""
     k: dict[int, torch.Tensor] = {}
     v: dict[int, torch.Tensor] = {}
-    clips: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
+    clips: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "mean": {}, "smooth": {}}
     try:
         with safe_open(str(f), framework="pt") as fh:
             meta = dict(fh.metadata() or {}) if want_meta else {}
@@ -129,7 +136,11 @@ def _read_tensors(f: Path, flag: str, path: Path, want_meta: bool) -> tuple[dict
                 if not m:
                     continue
                 layer, which = int(m.group(1)), m.group(2)
-                t = fh.get_tensor(name).to(torch.float32).reshape(-1)
+                t = fh.get_tensor(name).to(torch.float32)
+                if which in ("k_mean", "k_smooth"):
+                    clips[which[2:]][layer] = t
+                    continue
+                t = t.reshape(-1)
                 if which in ("k_clip", "v_clip"):
                     clips[which[0]][layer] = t
                 if which in ("k_scale", "kv_scale"):
@@ -155,15 +166,15 @@ def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | No
     scheme, section = _scheme(config)
     k: dict[int, torch.Tensor] = {}
     v: dict[int, torch.Tensor] = {}
-    clips: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
+    clips: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "mean": {}, "smooth": {}}
     file_meta: dict = {}
     for f in _tensor_files(path, section):
         # a bare scales file describes itself in its safetensors metadata
         fk, fv, fc, meta = _read_tensors(f, flag, path, want_meta=path.is_file())
         k.update(fk)
         v.update(fv)
-        clips["k"].update(fc["k"])
-        clips["v"].update(fc["v"])
+        for side, found in fc.items():
+            clips[side].update(found)
         file_meta = meta or file_meta
     if not k and not v and not clips["k"] and not clips["v"]:
         return None
@@ -181,7 +192,21 @@ def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | No
     skip = [int(x) if str(x).isdigit() else x for x in skip] if skip else None
     k_clip, v_clip = ({i: _clip(t, flag, path) for i, t in clips[side].items()} for side in "kv")
     clip_dtype = src.get("kv_cache_dtype") if k_clip or v_clip else None
-    return KVScales(kind, strategy, k, v, str(path), meta, rotation, skip, k_clip, v_clip, clip_dtype)
+    return KVScales(
+        kind,
+        strategy,
+        k,
+        v,
+        str(path),
+        meta,
+        rotation,
+        skip,
+        k_clip,
+        v_clip,
+        clip_dtype,
+        clips["mean"],
+        clips["smooth"],
+    )
 
 
 def _clip(t: torch.Tensor, flag: str, path: Path) -> float:
@@ -262,9 +287,11 @@ def resolve_kv_cache(
     kv_scales: str | None = None,
     skip_layers=None,
     rotation: str | None = "auto",
-) -> tuple[list[LayerSpec], dict[int, tuple[torch.Tensor, torch.Tensor]], dict[int, tuple[float, float]]]:
-    """Every layer's cache spec, static scales and (per-token modes) clipping ratios, from the flags and what the
-    checkpoint carries.
+) -> tuple[
+    list[LayerSpec], dict[int, tuple[torch.Tensor, torch.Tensor]], dict[int, tuple[float, float]], dict[int, KeyBasis]
+]:
+    """Every layer's cache spec, static scales and (per-token modes) clipping ratios and key bases, from the flags
+    and what the checkpoint carries.
 
     A statically scaled dtype reads the checkpoint's scales first, because they
     decide the defaults: ``--kv-rotation auto`` takes their rotation and, when no
@@ -285,8 +312,8 @@ def resolve_kv_cache(
         logger.info("keeping layers %s in BF16, as chosen at calibration (%s)", skip_layers, scales.source)
     specs = build_layer_specs(layout, kv_cache_dtype, model_dtype, skip_layers, rot)
     if dt.dynamic:
-        return specs, {}, _clips(specs, scales)
-    return specs, resolve_scales(specs, model_path, kv_scales, kv_cache_dtype, scales), {}
+        return specs, {}, _clips(specs, scales), _bases(specs, scales)
+    return specs, resolve_scales(specs, model_path, kv_scales, kv_cache_dtype, scales), {}, {}
 
 
 def _load_clips(model_path: Path, kv_scales: str | None, name: str) -> KVScales | None:
@@ -307,13 +334,36 @@ def _clips(specs: list[LayerSpec], scales: KVScales | None) -> dict[int, tuple[f
     """``{layer: (k_clip, v_clip)}`` for the per-token layers; every layer of the model must have both."""
     if scales is None:
         return {}
-    n = len(specs)
-    if sorted(scales.k_clip) != list(range(n)) or sorted(scales.v_clip) != list(range(n)):
-        raise ValueError(
-            f"clipping ratios in {scales.source} cover {len(scales.k_clip)} / {len(scales.v_clip)} layers (K / V) "
-            f"but the model has {n} layers"
-        )
+    _cover(specs, scales.source, "clipping ratios", "K / V", scales.k_clip, scales.v_clip)
     return {s.layer_idx: (scales.k_clip[s.layer_idx], scales.v_clip[s.layer_idx]) for s in specs if s.dtype.dynamic}
+
+
+def _cover(specs: list[LayerSpec], source: str, what: str, sides: str, a: dict, b: dict) -> None:
+    """Per-layer tensors of a per-token calibration must cover every layer of the model, on both sides."""
+    n = len(specs)
+    if sorted(a) != list(range(n)) or sorted(b) != list(range(n)):
+        raise ValueError(f"{what} in {source} cover {len(a)} / {len(b)} layers ({sides}) but the model has {n} layers")
+
+
+def _bases(specs: list[LayerSpec], scales: KVScales | None) -> dict[int, KeyBasis]:
+    """``{layer: KeyBasis}`` for the per-token layers, when the calibration chose a basis: every layer of the
+    model has both tensors, of its ``[Hkv, D]`` shape."""
+    if scales is None or not (scales.k_mean or scales.k_smooth):
+        return {}
+    _cover(specs, scales.source, "key bases", "k_mean / k_smooth", scales.k_mean, scales.k_smooth)
+    out = {}
+    for s in specs:
+        i, shape = s.layer_idx, (s.num_kv_heads, s.head_dim)
+        for name, t in (("k_mean", scales.k_mean[i]), ("k_smooth", scales.k_smooth[i])):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{scales.source}: layer {i}'s {name} is {tuple(t.shape)}, the model's K is {shape}")
+        try:
+            basis = KeyBasis(scales.k_mean[i], scales.k_smooth[i])
+        except ValueError as e:
+            raise ValueError(f"{scales.source}: layer {i}: {e}") from None
+        if s.dtype.dynamic:
+            out[i] = basis
+    return out
 
 
 def resolve_scales(

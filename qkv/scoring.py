@@ -32,7 +32,7 @@ def prefill_logits(
     The sequence gets its own blocks (no prefix-cache lookup, so every token is
     computed), prefilled in chunks of ``chunk_size`` tokens (default:
     ``max_num_batched_tokens``), and its blocks are freed afterwards.
-    ``observer(layer_idx, key, value)`` sees the K/V written to the cache.
+    ``observer(layer_idx, key, value, query)`` sees the K/V written to the cache and the queries.
     """
     if not token_ids:
         raise ValueError("cannot score an empty token sequence")

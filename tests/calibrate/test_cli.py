@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from qkv.cli import main
 
@@ -222,3 +223,36 @@ def test_cli_calibrates_clipping_ratios_for_a_4bit_cache(capsys, tiny_dir, corpu
         "-o",
         tmp_path / "x",
     )
+
+
+def test_cli_key_basis_writes_means_and_smoothing_the_engine_applies(capsys, tiny_dir, corpus, tmp_path):
+    """--key-basis: every layer's k_mean (K's mean over the samples) and k_smooth ([Hkv, D], geometric mean 1 per
+    head) beside the ratios; the engine installs them on its int4 layers; an 8-bit dtype refuses the flag."""
+    from safetensors import safe_open
+
+    from qkv import LLM
+
+    out = tmp_path / "basis"
+    flags = "--num-samples 3 --seq-len 48 --kv-cache-dtype int4_per_token_head --key-basis --no-progress"
+    rc, stdout, _ = _run(capsys, tiny_dir("llama"), "--dataset", corpus, "-o", out, *flags.split())
+    assert rc == 0 and "K MSE vs 1.0" in stdout
+    with safe_open(str(out / "qkv_kv_scales.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+        tensors = {n: f.get_tensor(n) for n in names}
+    want = [f"model.layers.{i}.self_attn.{w}" for i in range(3) for w in ("k_clip", "k_mean", "k_smooth", "v_clip")]
+    assert names == sorted(want)
+    rec = json.loads((out / "calibration.json").read_text())
+    assert [b["layer"] for b in rec["key_basis"]] == [0, 1, 2]
+    assert rec["scale_convention"].endswith("on centred, smoothed K (k_mean, k_smooth)")
+    assert rec["observer_params"]["key_basis"].startswith("K centred and smoothed against Q")
+    engine = LLM(str(out), kv_cache_dtype="int4_per_token_head", num_blocks=16).llm_engine
+    for i, layer in enumerate(engine.cache.layers):
+        smooth = tensors[f"model.layers.{i}.self_attn.k_smooth"]
+        assert smooth.shape == (2, 16) and torch.allclose(smooth.log().mean(-1), torch.zeros(2), atol=1e-5)
+        assert torch.equal(layer.key_basis.mean, tensors[f"model.layers.{i}.self_attn.k_mean"])
+        assert torch.equal(layer.key_basis.smooth, smooth)
+        assert rec["key_basis"][i]["k_smooth_max"] == float(smooth.max())
+    other = LLM(str(out), kv_cache_dtype="int8_per_token_head", num_blocks=16).llm_engine
+    assert all(layer.key_basis is None for layer in other.cache.layers)
+    err = _error(capsys, tiny_dir("llama"), "--dataset", corpus, "--kv-cache-dtype", "fp8", "--key-basis", "-o", out)
+    assert "--key-basis applies to the 4-bit per-token modes, not fp8" in err

@@ -71,7 +71,7 @@ def test_cache_bytes_bit_exact_with_the_reference_write(compiled):
     slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
     inp = StepInputs(list(range(5, 5 + n)), list(range(n)), slots, [blocks], [n], [0, n], [n - 1])
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    eng.runner.forward(inp, observer=lambda i, k, v: seen.setdefault(i, (k.clone(), v.clone())))
+    eng.runner.forward(inp, observer=lambda i, k, v, q: seen.setdefault(i, (k.clone(), v.clone())))
     assert sorted(seen) == list(range(len(eng.cache.layers)))
     ref = KVCache(eng.layer_specs, eng.cache.num_blocks, bs)
     meta = StepMetadata.build(slots, [blocks], [n], [0, n])

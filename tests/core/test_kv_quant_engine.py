@@ -62,7 +62,7 @@ def minmax_scales(engine, texts, qmax):
     """Per-tensor absmax of the stored K and V over a few texts (a tiny calibration)."""
     amax: dict[tuple[int, str], float] = {}
 
-    def observe(layer, k, v):
+    def observe(layer, k, v, q):
         for name, t in (("k", k), ("v", v)):
             amax[layer, name] = max(amax.get((layer, name), 0.0), t.float().abs().max().item())
 

@@ -17,7 +17,7 @@ def observe_amax(engine, windows) -> tuple[dict, dict]:
     """Per-layer absmax of the K and V the cache stores (what `qkv calibrate` observes)."""
     k, v = {}, {}
 
-    def obs(layer, key, value):
+    def obs(layer, key, value, query):
         k[layer] = max(k.get(layer, 0.0), float(key.abs().max()))
         v[layer] = max(v.get(layer, 0.0), float(value.abs().max()))
 
