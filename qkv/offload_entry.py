@@ -63,9 +63,20 @@ def namespace_digest(model_path: Path, model_dtype: torch.dtype, cache: KVCache)
     h = hashlib.sha256(json.dumps(material, sort_keys=True).encode())
     for layer in cache.layers:  # static scales, every byte (a recalibration changes the quantized bytes)
         for t in (layer.k_scale, layer.v_scale):
-            raw = b"" if t is None else t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-            h.update(len(raw).to_bytes(8, "big") + raw)
+            h.update(_tensor_bytes(t))
+        # a per-token cache's calibration (clipping ratios, key basis) decides its bytes as much; an uncalibrated
+        # one hashes as before, so tiers written before these were hashed stay valid for it
+        if layer.k_clip != 1.0 or layer.v_clip != 1.0 or layer.key_basis is not None:
+            h.update(_tensor_bytes(torch.tensor([layer.k_clip, layer.v_clip])))
+            basis = layer.key_basis
+            for t in (None, None) if basis is None else (basis.mean, basis.smooth):
+                h.update(_tensor_bytes(t))
     return h.digest()
+
+
+def _tensor_bytes(t: torch.Tensor | None) -> bytes:
+    raw = b"" if t is None else t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return len(raw).to_bytes(8, "big") + raw
 
 
 class CacheBlockIO:

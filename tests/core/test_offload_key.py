@@ -1,7 +1,8 @@
 """The tier key covers everything that decides a block's bytes, and nothing that does not.
 
 ``key = sha256(namespace || block hash)``: the namespace changes with the model, the cache dtype, the
-rotation and every static scale byte; the block hash with every token and the request's ``cache_salt``.
+rotation, every static scale byte and a 4-bit cache's calibration; the block hash with every token and the
+request's ``cache_salt``.
 The same configuration started twice gets the same namespace, which is what lets a file tier serve a
 restarted server.
 """
@@ -39,6 +40,28 @@ def test_namespace_covers_model_dtype_rotation_and_scales(tiny_dir, tmp_path):
     others["k_scale x2"] = namespace_digest(fp8.model_path, fp8.dtype, fp8.cache)
     assert len({base, *others.values()}) == 1 + len(others) == 6
     assert all(len(d) == 32 for d in others.values())
+
+
+def test_namespace_covers_a_4bit_caches_ratios_and_key_basis(tiny_dir):
+    """Clipping ratios and the key basis decide a per-token 4-bit cache's bytes as static scales do."""
+    from qkv.key_basis import KeyBasis
+
+    int4 = LLM(str(tiny_dir("llama")), **SMALL, kv_cache_dtype="int4_per_token_head").llm_engine
+
+    def now() -> bytes:
+        return namespace_digest(int4.model_path, int4.dtype, int4.cache)
+
+    seen = [now()]
+    layer = int4.cache.layers[2]
+    layer.k_clip = 0.925
+    seen.append(now())
+    layer.key_basis = KeyBasis(torch.zeros(2, 16), torch.ones(2, 16))
+    seen.append(now())
+    layer.key_basis = KeyBasis(torch.zeros(2, 16), torch.full((2, 16), 2.0))
+    seen.append(now())
+    assert len(set(seen)) == 4
+    layer.k_clip, layer.key_basis = 1.0, None
+    assert now() == seen[0]  # uncalibrated: the digest it always had
 
 
 def test_cache_salt_keys_are_disjoint_and_miss_the_tier(tiny_dir):
