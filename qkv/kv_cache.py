@@ -142,10 +142,11 @@ class KVCache:
                 layer.scale_cache.index_copy_(0, d, layer.scale_cache.index_select(0, s))
 
     def dtype_summary(self) -> str:
-        """e.g. ``fp8_e4m3 x26 + bfloat16 x4`` for a cache with skipped layers (``+hadamard`` when rotated)."""
+        """e.g. ``fp8_e4m3 x26 + bfloat16 x4`` for a cache with skipped layers (``+hadamard`` when rotated,
+        ``+key-basis`` with a calibrated key basis)."""
         counts: dict[str, int] = {}
-        for s in self.specs:
-            name = s.dtype.name + ("+hadamard" if s.rotation else "")
+        for s, layer in zip(self.specs, self.layers):
+            name = s.dtype.name + ("+hadamard" if s.rotation else "") + ("+key-basis" if layer.key_basis else "")
             counts[name] = counts.get(name, 0) + 1
         return " + ".join(f"{k} x{v}" for k, v in counts.items())
 

@@ -252,6 +252,7 @@ def test_cli_key_basis_writes_means_and_smoothing_the_engine_applies(capsys, tin
         assert torch.equal(layer.key_basis.mean, tensors[f"model.layers.{i}.self_attn.k_mean"])
         assert torch.equal(layer.key_basis.smooth, smooth)
         assert rec["key_basis"][i]["k_smooth_max"] == float(smooth.max())
+    assert engine.cache.dtype_summary() == "int4_per_token_head+key-basis x3"
     other = LLM(str(out), kv_cache_dtype="int8_per_token_head", num_blocks=16).llm_engine
     assert all(layer.key_basis is None for layer in other.cache.layers)
     err = _error(capsys, tiny_dir("llama"), "--dataset", corpus, "--kv-cache-dtype", "fp8", "--key-basis", "-o", out)
