@@ -62,17 +62,15 @@ class KeyBasis:
 
     def queries(self, q: torch.Tensor) -> torch.Tensor:
         """``[T, H, D]`` queries in the same basis (query head ``h`` reads kv head ``h // (H / Hkv)``)."""
-        group = q.shape[1] // self.smooth.shape[0]
-        return (q.to(torch.float32) * self.smooth.repeat_interleave(group, dim=0)).to(q.dtype)
+        grouped = q.to(torch.float32).unflatten(1, (self.smooth.shape[0], -1))  # [T, Hkv, group, D]: no copy of s
+        return (grouped * self.smooth[:, None]).flatten(1, 2).to(q.dtype)
 
 
 class KeyStats:
     """Running sums of one layer's K, K^2 and Q^2 per kv head and channel (fp64), for :func:`smoothing_factors`."""
 
     def __init__(self) -> None:
-        self.k_sum: torch.Tensor | None = None
-        self.k_sq: torch.Tensor | None = None
-        self.q_sq: torch.Tensor | None = None
+        self.sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # sum K, sum K^2, sum Q^2
         self.tokens = 0
 
     def update(self, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -80,19 +78,16 @@ class KeyStats:
         t, hkv, d = k.shape
         k64 = k.to(torch.float64)
         q_sq = q.to(torch.float64).square().reshape(t, hkv, -1, d).mean(2).sum(0)
-        sums = (k64.sum(0), k64.square().sum(0), q_sq)
-        if self.k_sum is None or self.k_sq is None or self.q_sq is None:
-            self.k_sum, self.k_sq, self.q_sq = sums
-        else:
-            self.k_sum, self.k_sq, self.q_sq = self.k_sum + sums[0], self.k_sq + sums[1], self.q_sq + sums[2]
+        new = (k64.sum(0), k64.square().sum(0), q_sq)
+        self.sums = new if self.sums is None else (self.sums[0] + new[0], self.sums[1] + new[1], self.sums[2] + new[2])
         self.tokens += t
 
     def basis(self, power: float = SMOOTHING_POWER) -> KeyBasis:
-        if self.k_sum is None or self.k_sq is None or self.q_sq is None:
+        if self.sums is None:
             raise ValueError("no tokens observed for this layer's K statistics")
-        mean = self.k_sum / self.tokens
-        k_var = (self.k_sq / self.tokens - mean.square()).clamp_min(0.0)
-        return KeyBasis(mean.to(torch.float32), smoothing_factors(k_var, self.q_sq / self.tokens, power))
+        k_sum, k_sq, q_sq = (x / self.tokens for x in self.sums)
+        k_var = (k_sq - k_sum.square()).clamp_min(0.0)
+        return KeyBasis(k_sum.to(torch.float32), smoothing_factors(k_var, q_sq, power))
 
 
 def smoothing_factors(k_var: torch.Tensor, q_sq: torch.Tensor, power: float = SMOOTHING_POWER) -> torch.Tensor:

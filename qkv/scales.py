@@ -204,8 +204,8 @@ def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | No
         k_clip,
         v_clip,
         clip_dtype,
-        clips["mean"],
-        clips["smooth"],
+        k_mean=clips["mean"],
+        k_smooth=clips["smooth"],
     )
 
 

@@ -74,7 +74,7 @@ def _bases(seed: int = 1) -> dict[int, KeyBasis]:
     return {i: KeyBasis(torch.randn(HKV, D, generator=g), torch.rand(HKV, D, generator=g) + 0.5) for i in range(LAYERS)}
 
 
-def _forward(eng, observer) -> None:
+def _forward(eng, observer) -> tuple:
     bs = eng.block_size
     blocks, n = [5, 2], 2 * eng.block_size - 3
     slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
