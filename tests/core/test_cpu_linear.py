@@ -27,6 +27,17 @@ from qkv.cpu_linear import (
 CPU = torch.device("cpu")
 
 
+def bf16_packing_or_log(lin: torch.nn.Module) -> bool:
+    """Whether oneDNN can pack bf16 weights on this CPU. Where it cannot (AVX2 only), the engine never picks the
+    packed mode (resolve_cpu_matmul); this checks that packing then fails loudly and says so in the log."""
+    if onednn_available(torch.bfloat16):
+        return True
+    with pytest.raises(RuntimeError, match="bf16"):
+        PackedLinear(lin)
+    print("this CPU lacks the ISA oneDNN needs to pack bf16 weights (AVX-512 or AVX-NE-CONVERT): packed mode not run")
+    return False
+
+
 def _linear(bias: bool) -> torch.nn.Linear:
     torch.manual_seed(0)
     return torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
@@ -60,6 +71,24 @@ def test_fp32_path_is_the_upcast_formula_bit_for_bit_and_small_calls_stay_native
     # outside the mode the module is the plain nn.Linear again
     assert "forward" not in lin.__dict__
     assert torch.equal(model(x), F.linear(x, lin.weight, lin.bias))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_fp32_path_takes_the_eager_paths_branch_at_run_time(bias):
+    """Under torch.compile the row count is a symbol, so the branch lives in the opaque ``qkv::fp32_linear``: one
+    compiled graph (dynamic rows) gives a one-row call the model's bf16 GEMM and a call of ``MIN_ROWS`` rows the
+    upcast formula, each bit for bit what the eager mode computes."""
+    lin = _linear(bias)
+    mode = Fp32Linear(lin, onednn=True)
+    forward = torch.compile(lambda x: lin(x), dynamic=True, fullgraph=True)
+    one, many = torch.randn(1, 96).to(torch.bfloat16), torch.randn(MIN_ROWS + 2, 96).to(torch.bfloat16)
+    with mode, torch.no_grad():  # the engine's forwards run without autograd, as here
+        eager_one, eager_many = lin(one), lin(many)
+        compiled_one, compiled_many = forward(one), forward(many)
+    assert torch.equal(compiled_one, F.linear(one, lin.weight, lin.bias)) and torch.equal(compiled_one, eager_one)
+    b32 = None if lin.bias is None else lin.bias.float()
+    want = _onednn_linear(many.float(), lin.weight.float(), b32).to(torch.bfloat16)
+    assert torch.equal(compiled_many, want) and torch.equal(compiled_many, eager_many)
 
 
 def test_min_rows_one_takes_fp32_for_every_call():
@@ -150,12 +179,15 @@ def test_batch_invariant_mode_sits_on_top_and_fp32_takes_every_call():
     assert linear_modes(lin, "float32", batch_invariant=False)[0]().min_rows == MIN_ROWS
     # the packed mode is a speed path: under the fixed-shape tiles, plain F.linear in the model's dtype
     assert [type(m()).__name__ for m in linear_modes(lin, "packed", batch_invariant=True)] == ["BatchInvariantLinear"]
-    assert isinstance(linear_modes(lin, "packed", batch_invariant=False)[0](), PackedLinear)
+    if bf16_packing_or_log(lin):
+        assert isinstance(linear_modes(lin, "packed", batch_invariant=False)[0](), PackedLinear)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 50])
 def test_packed_linear_is_onednns_inner_product_in_the_models_dtype(rows):
     lin = _linear(True)
+    if not bf16_packing_or_log(lin):
+        pytest.skip("this CPU lacks the ISA oneDNN needs to pack bf16 weights (the one hardware exception)")
     x = torch.randn(2, rows, 96).to(torch.bfloat16)
     with PackedLinear(lin):
         y = lin(x)
