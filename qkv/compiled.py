@@ -11,8 +11,10 @@ Two things stay outside inductor, as opaque custom ops with fake (shape-only) im
   and attends, so the cache bytes are those of the eager path, written by the same kernel. Its step metadata
   (block tables, slots, lengths) is not a graph input: the runner sets it for the forward with
   :func:`step_context`, so the graph neither guards on it nor recompiles when the batch changes;
-* the linears (``qkv::onednn_linear``): oneDNN's inner product on weights reordered once
-  (:mod:`qkv.cpu_linear`), which inductor cannot lower itself.
+* the linears (``qkv::onednn_linear``, and ``qkv::fp32_linear`` on CPUs without 16-bit matrix units): oneDNN's
+  inner product on weights reordered once (:mod:`qkv.cpu_linear`), which inductor cannot lower itself. Being
+  opaque, the latter can also branch on the row count the graph does not know: a one-token decode reads the
+  16-bit weights (half the bytes) instead of their fp32 copies, as the eager path does.
 
 What inductor fuses is the elementwise work in between, so the compiled forward computes every rounding of the
 model's dtype where it sees fit: a bf16 forward is not bit-identical to transformers' eager one (as vLLM's is
@@ -35,7 +37,7 @@ import torch
 if TYPE_CHECKING:
     from .attention import StepContext
 
-__all__ = ["CompiledModel", "current_step", "onednn_linear", "paged_attention", "step_context"]
+__all__ = ["CompiledModel", "current_step", "fp32_linear", "onednn_linear", "paged_attention", "step_context"]
 
 logger = logging.getLogger("qkv")
 
@@ -65,6 +67,10 @@ def current_step() -> StepContext:
 _LIB = torch.library.Library("qkv", "DEF")
 _LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scaling) -> Tensor")
 _LIB.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
+_LIB.define(
+    "fp32_linear(Tensor x, Tensor weight32, Tensor? bias32, Tensor weight, Tensor? bias, int out_features,"
+    " int min_rows) -> Tensor"
+)
 
 
 def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scaling: float) -> torch.Tensor:
@@ -77,8 +83,26 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _fp32_linear(
+    x: torch.Tensor,
+    weight32: torch.Tensor,
+    bias32: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    min_rows: int,
+) -> torch.Tensor:
+    """``[N, in]`` 16-bit rows: fewer than ``min_rows`` times the model's own 16-bit weight (a call that few rows
+    is bound by reading the weight), otherwise their fp32 upcasts times the reordered fp32 copy, rounded back once
+    (:class:`qkv.cpu_linear.Fp32Linear`, whose eager forward makes the same choice)."""
+    if x.shape[0] < min_rows:
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.float(), weight32, bias32, "none", [], "").to(x.dtype)
+
+
 _LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
 _LIB.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
+_LIB.impl("fp32_linear", _fp32_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("qkv::paged_attention", lib=_LIB)
@@ -91,7 +115,13 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty(x.shape[0], out_features)
 
 
+@torch.library.register_fake("qkv::fp32_linear", lib=_LIB)
+def _(x: torch.Tensor, *weights_and_sizes: Any) -> torch.Tensor:  # weight32, bias32, weight, bias, out, min_rows
+    return x.new_empty(x.shape[0], weights_and_sizes[4])
+
+
 paged_attention = torch.ops.qkv.paged_attention.default
+fp32_linear = torch.ops.qkv.fp32_linear.default
 onednn_linear = torch.ops.qkv.onednn_linear.default
 
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch_invariant import BatchInvariantLinear
-from .compiled import onednn_linear
+from .compiled import fp32_linear, onednn_linear
 
 __all__ = [
     "CPU_MATMUL_DTYPES",
@@ -166,8 +166,12 @@ class Fp32Linear:
     def _forward(
         min_rows: int, onednn: bool, m: torch.nn.Linear, w32: torch.Tensor, b32: torch.Tensor | None, x: torch.Tensor
     ) -> torch.Tensor:
-        # Under torch.compile the token count is a symbol without a value, so no branch on it: fp32 throughout.
-        if not torch.compiler.is_compiling() and x.numel() < min_rows * x.shape[-1]:
+        if torch.compiler.is_compiling():
+            if onednn:  # the token count is a symbol without a value here: the opaque op takes the branch below
+                rows = x.reshape(-1, x.shape[-1])
+                y = fp32_linear(rows, w32, b32, m.weight, m.bias, m.out_features, min_rows)
+                return y.reshape(*x.shape[:-1], m.out_features)
+        elif x.numel() < min_rows * x.shape[-1]:
             return F.linear(x, m.weight, m.bias)
         if not onednn:
             return F.linear(x.float(), w32, b32).to(x.dtype)
