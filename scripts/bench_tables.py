@@ -130,7 +130,7 @@ def vllm(rep: dict) -> list[str]:
             for c in ("qkv bf16", "qkv fp8", "qkv int8", "qkv int8_per_token_head", "vllm bf16", "vllm fp8")
         ]
         ratio = [
-            f"{res[c].get(k, float('nan')):.2f}x" if c in res else "-"
+            f"{res[c][k]:.2f}x" if k in res.get(c, {}) else "-"  # no ratio where vLLM could not run the dtype
             for c, k in (("qkv bf16", "speed_vs_vllm_bf16"), ("qkv fp8", "speed_vs_vllm_fp8"))
         ]
         rows.append(f"| {label} | {names[w]} | " + " | ".join(cells + ratio) + " |")
