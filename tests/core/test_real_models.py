@@ -8,9 +8,11 @@ What is asserted is what holds on every x86 CPU (AVX2 only, AVX-512, AVX512-BF16
 * **bf16 under ``--batch-invariant``: token identity.** A bf16 GEMM's bits depend on the shape of the call on
   CPUs with AVX512-BF16 or AMX (oneDNN blocks the reduction by it), so bf16 identity needs an arithmetic that
   does not: every linear on both sides runs in fixed ``TILE``-row calls (qkv's ``--batch-invariant``, and
-  transformers under the same :class:`~qkv.batch_invariant.BatchInvariantLinear`), which
-  tests/core/test_batch_invariant.py proves shape-invariant. SmolLM2 has no sliding-window layers, so its
-  attention calls have transformers' shapes and variants too.
+  transformers under the same modes, :func:`~qkv.cpu_linear.linear_modes`), which
+  tests/core/test_batch_invariant.py proves shape-invariant. The GEMM inside the tiles is the one the engine's
+  default ``--cpu-matmul-dtype`` picks on this CPU: bf16 where it has 16-bit matrix units, the fp32 upcasts on
+  AVX2 (where a padded 48-row bf16 call per decoded token made this test take 13 minutes at two threads).
+  SmolLM2 has no sliding-window layers, so its attention calls have transformers' shapes and variants too.
 * **bf16 on the default path: a bound.** The engine as users run it (fused CPU attention, the default GEMMs,
   prompts batched) picks, at every step, a token whose logit under transformers (teacher-forced on qkv's own
   tokens) is within :data:`BF16_ULPS` bf16 ulps of transformers' best. Measured on an Intel Xeon with AMX
@@ -27,7 +29,7 @@ from support.prompts import PROMPTS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qkv import LLM, SamplingParams
-from qkv.batch_invariant import BatchInvariantLinear
+from qkv.cpu_linear import linear_modes, resolve_cpu_matmul
 
 pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 BF16_ULPS = 4  # twice the largest gap measured across five arithmetic paths (module docstring)
@@ -46,13 +48,18 @@ def smollm2():
 
 
 def hf_generate(path, prompts, n, dtype, invariant=False):
-    """transformers' greedy tokens; ``invariant``: every linear in fixed tiles, as qkv's ``--batch-invariant``."""
+    """transformers' greedy tokens; ``invariant``: every linear as qkv's ``--batch-invariant`` runs it with the
+    default ``--cpu-matmul-dtype``: the same modes, from the function the engine takes them from."""
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    matmul = resolve_cpu_matmul("auto", dtype, torch.device("cpu"))
+    modes = linear_modes(model, matmul, batch_invariant=True) if invariant else []
     outs = []
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
-        with BatchInvariantLinear() if invariant else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            for make in modes:
+                stack.enter_context(make())
             g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
         outs.append(g[0, ids.shape[1] :].tolist())
     return outs
@@ -84,7 +91,6 @@ def test_smollm2_greedy_matches_transformers(smollm2, dtype):
         dtype=dtype,
         kv_cache_memory="256MiB",
         attention_backend="torch",
-        cpu_matmul_dtype="model",
         batch_invariant=invariant,
     )
     outs = qkv_one_by_one(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=64))
