@@ -1,0 +1,81 @@
+"""A decode step's linears at a few rows, three ways: where the few-row kernel stops paying (``MIN_ROWS``).
+
+    .venv/bin/python scripts/bench_few_rows.py [--rows 1,2,3,4,6,8] -o OUT.json
+
+Every linear of SmolLM2-135M (30 layers of q, k, v, o, gate, up, down, and the 49,152-row LM head: 270 MB of
+bf16 weights, far more than any cache) once per pass, with random weights, as a decode step streams them:
+
+* ``torch_bf16``: ``F.linear`` on the bf16 weights (transformers' arithmetic);
+* ``few_rows``: the C++ kernel of ``qkv.kernels.cpu_gemm`` on the bf16 weights;
+* ``fp32``: oneDNN's inner product on reordered fp32 copies (``qkv.cpu_linear.Fp32Linear``'s batched path).
+
+The best of five passes each, interleaved; the JSON records the CPU's flags, the threads and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from qkv.eval.machine import cpu_info
+from qkv.kernels.cpu_gemm import SmallGemm
+from qkv.registry import default_cache_dir
+
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+SHAPES = LAYER * 30 + [(49152, 576)]
+
+
+def best_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * min(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,3,4,6,8")
+    ap.add_argument("-o", "--output", type=Path, required=True)
+    args = ap.parse_args()
+    kernel = SmallGemm.build(default_cache_dir() / "kernels")
+    if kernel is None:
+        raise SystemExit("the few-row kernel did not build on this machine")
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen) * 0.05).bfloat16() for n, k in SHAPES]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w.float(), 16) for w in weights]
+    report: dict = {
+        "env": {"cpu": cpu_info(), "torch_threads": torch.get_num_threads(), "load_average_before": os.getloadavg()},
+        "weights_mb": sum(w.numel() * 2 for w in weights) / 1e6,
+        "pass_ms": {},
+    }
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(m, k, generator=gen).bfloat16() for k in (576, 1536)}
+        ways = {
+            "torch_bf16": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights],
+            "few_rows": lambda xs=xs: [kernel(xs[w.shape[1]], w) for w in weights],
+            "fp32": lambda xs=xs: [
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]].float(), p, None, "none", [], "").bfloat16()
+                for w, p in zip(weights, packed)
+            ],
+        }
+        row = {name: best_ms(fn) for name, fn in ways.items()}
+        report["pass_ms"][m] = row
+        print(f"{m} rows: " + ", ".join(f"{k} {v:.1f} ms" for k, v in row.items()), flush=True)
+    report["env"]["load_average_after"] = os.getloadavg()
+    args.output.write_text(json.dumps(report, indent=1) + "\n")
+    print("wrote", args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""The few-row 16-bit linear (``csrc/small_gemm.h``) against its specification, written in torch: bit for bit.
+
+The reference spells out the kernel's order (module docstring of the header): products of two 16-bit values are
+exact in fp32, so an fp32 add of the product is the kernel's fused multiply-add; lane ``l`` of eight sums
+``k = l, l + 8, ...``, the lanes are added as ``((0+4)+(2+6)) + ((1+5)+(3+7))``, then the bias, then one rounding.
+"""
+
+import pytest
+import torch
+
+from qkv.kernels.cpu_gemm import SmallGemm
+from qkv.registry import default_cache_dir
+
+SHAPES = [  # (M, N, K): SmolLM2's projections and LM head, and tails in N (not a multiple of 4) and K (of 8)
+    (1, 576, 576),
+    (2, 192, 576),
+    (1, 576, 1536),
+    (3, 1537, 1536),
+    (5, 7, 13),
+    (8, 1536, 576),
+    (2, 3, 5),
+]
+
+
+@pytest.fixture(scope="module")
+def gemm() -> SmallGemm:
+    g = SmallGemm.build(default_cache_dir() / "kernels")
+    assert g is not None, "every x86 machine this project runs on has AVX2, FMA and F16C"
+    return g
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m, k = x.shape
+    k8 = -(-k // 8) * 8
+    xf = torch.nn.functional.pad(x.float(), (0, k8 - k)).view(m, 1, k8 // 8, 8)
+    wf = torch.nn.functional.pad(w.float(), (0, k8 - k)).view(1, w.shape[0], k8 // 8, 8)
+    acc = torch.zeros(m, w.shape[0], 8)
+    for c in range(k8 // 8):  # one vector of eight lanes at a time, in order
+        acc = acc + xf[:, :, c] * wf[:, :, c]
+    a = acc[..., :4] + acc[..., 4:]  # (0+4), (1+5), (2+6), (3+7)
+    b = a[..., :2] + a[..., 2:]  # (0+4)+(2+6), (1+5)+(3+7)
+    s = b[..., 0] + b[..., 1]
+    if bias is not None:
+        s = s + bias.float()
+    return s.to(x.dtype)
+
+
+def operands(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_kernel_is_its_reference_bit_for_bit(gemm, m, n, k, dtype):
+    x, w, b = operands(m, n, k, dtype)
+    for bias in (b, None):
+        y = gemm(x, w, bias)
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert torch.equal(y.view(torch.int16), reference(x, w, bias).view(torch.int16))
+
+
+def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_threads(gemm):
+    x, w, b = operands(5, 1537, 1536, torch.bfloat16, seed=1)
+    together = gemm(x, w, b)
+    alone = torch.cat([gemm(x[i : i + 1], w, b) for i in range(5)])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_thread = gemm(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together.view(torch.int16), alone.view(torch.int16))
+    assert torch.equal(together.view(torch.int16), one_thread.view(torch.int16))
+
+
+def test_exact_where_the_sums_are_exact(gemm):
+    """Small integers: every product and partial sum is exact, so the result is the true value, as torch's."""
+    x = torch.arange(-8, 8, dtype=torch.bfloat16).repeat(2, 4)  # [2, 64]
+    w = torch.arange(64 * 3, dtype=torch.bfloat16).remainder(7).view(3, 64) - 3
+    want = (x.double() @ w.double().T).to(torch.bfloat16)
+    assert torch.equal(gemm(x, w), want)
+    assert gemm(x, w).tolist() == torch.nn.functional.linear(x, w).tolist()
+
+
+def test_bad_operands_name_what_is_wrong(gemm):
+    x, w, b = operands(1, 8, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"x \[M, K\] and w \[N, K\].*\[1, 16\] and \[8, 8\]"):
+        gemm(x, w[:, :8])
+    with pytest.raises(ValueError, match="one dtype.*torch.float32"):
+        gemm(x.float(), w)
+    with pytest.raises(ValueError, match=r"bias of shape \[8\]"):
+        gemm(x, w, b[:4])
+    assert gemm(x[:0], w).shape == (0, 8)
