@@ -4,11 +4,12 @@ and speed, and its core count. Every benchmark JSON records it, because machines
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 from pathlib import Path
 
-__all__ = ["FLAGS", "cpu_info"]
+__all__ = ["FLAGS", "cpu_info", "write_report"]
 
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
 
@@ -26,3 +27,11 @@ def cpu_info() -> dict:
     except OSError:
         pass
     return {"name": name, "flags": sorted(f for f in FLAGS if f in flags), "cores": os.cpu_count()}
+
+
+def write_report(report: dict, path: Path) -> None:
+    """Stamp the load average after the runs into ``report["env"]`` (a figure measured while other jobs ran is
+    not quoted), then write the JSON to ``path``."""
+    report["env"]["load_average_after"] = os.getloadavg()
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print("wrote", path)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the kernel tests' scenario builder: a
 
 from support.paged import paged_scenario  # noqa: E402
 
-from qkv.eval.machine import cpu_info  # noqa: E402
+from qkv.eval.machine import cpu_info, write_report  # noqa: E402
 from qkv.kernels.cpu_attention import CpuKernels  # noqa: E402
 from qkv.kernels.cpu_build import _torch_gomp, cxxflags, find_compiler  # noqa: E402
 from qkv.registry import default_cache_dir  # noqa: E402
@@ -119,9 +118,7 @@ def main() -> int:
                 "speedup_cold": med["baseline cold"] / med["head cold"],
             }
             print(name, {k: round(v, 1) for k, v in med.items()}, flush=True)
-    report["env"]["load_average_after"] = os.getloadavg()
-    args.output.write_text(json.dumps(report, indent=1) + "\n")
-    print("wrote", args.output)
+    write_report(report, args.output)
     return 0
 
 

@@ -15,7 +15,6 @@ The best of five passes each, interleaved; the JSON records the CPU's flags, the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qkv.eval.machine import cpu_info
+from qkv.eval.machine import cpu_info, write_report
 from qkv.kernels.cpu_gemm import SmallGemm
 from qkv.registry import default_cache_dir
 
@@ -71,9 +70,7 @@ def main() -> int:
         row = {name: best_ms(fn) for name, fn in ways.items()}
         report["pass_ms"][m] = row
         print(f"{m} rows: " + ", ".join(f"{k} {v:.1f} ms" for k, v in row.items()), flush=True)
-    report["env"]["load_average_after"] = os.getloadavg()
-    args.output.write_text(json.dumps(report, indent=1) + "\n")
-    print("wrote", args.output)
+    write_report(report, args.output)
     return 0
 
 

@@ -14,7 +14,6 @@ threads and the load average.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 from qkv import LLM, SamplingParams
 from qkv.eval.latency import random_prompts
-from qkv.eval.machine import cpu_info
+from qkv.eval.machine import cpu_info, write_report
 from qkv.registry import resolve_model
 
 STEPS = 32
@@ -71,9 +70,7 @@ def main() -> int:
             ms = 1000 * (long - min(timed(llm, prompts, 1) for _ in range(2))) / STEPS
             report["step_ms"].setdefault(dtype, {})[batch] = ms
             print(f"{dtype} batch {batch}, {args.context} tokens of context: {ms:.2f} ms a decode step", flush=True)
-    report["env"]["load_average_after"] = os.getloadavg()
-    args.output.write_text(json.dumps(report, indent=1) + "\n")
-    print("wrote", args.output)
+    write_report(report, args.output)
     return 0
 
 
