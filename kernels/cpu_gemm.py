@@ -65,23 +65,28 @@ class SmallGemm:
             raise ValueError(f"small_gemm: bias of shape [{w.shape[0]}] expected, got {list(bias.shape)}")
         if x.device.type != "cpu" or w.device.type != "cpu":
             raise ValueError("small_gemm: CPU tensors expected")
-        x, w = x.contiguous(), w.contiguous()
         bias = None if bias is None else bias.contiguous()
+        return self.linear(x.contiguous(), w.contiguous(), bias)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`__call__` without its checks, for callers that guarantee them (contiguous 2-D CPU operands of
+        one 16-bit dtype, matching shapes): a decode step makes hundreds of these calls, and the checks would
+        cost as much as a small layer's product."""
         y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-        if y.numel() == 0:
+        if x.shape[0] == 0:
             return y
         args = _Args(
-            x=x.data_ptr(),
-            w=w.data_ptr(),
-            bias=None if bias is None else bias.data_ptr(),
-            y=y.data_ptr(),
-            M=x.shape[0],
-            N=w.shape[0],
-            K=x.shape[1],
-            dtype=_DTYPE_CODES[x.dtype],
-            num_threads=torch.get_num_threads(),
+            x.data_ptr(),
+            w.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            x.shape[0],
+            w.shape[0],
+            x.shape[1],
+            _DTYPE_CODES[x.dtype],
+            torch.get_num_threads(),
         )
-        rc = self._fn(ctypes.byref(args))
+        rc = self._fn(args)
         if rc != 0:
             raise RuntimeError(f"qkv_small_gemm failed ({'no AVX2/FMA/F16C in this build' if rc == 2 else rc})")
         return y

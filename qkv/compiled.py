@@ -14,7 +14,7 @@ Two things stay outside inductor, as opaque custom ops with fake (shape-only) im
 * the linears (``qkv::onednn_linear``, and ``qkv::fp32_linear`` on CPUs without 16-bit matrix units): oneDNN's
   inner product on weights reordered once (:mod:`qkv.cpu_linear`), which inductor cannot lower itself. Being
   opaque, the latter can also branch on the row count the graph does not know: a one-token decode reads the
-  16-bit weights (half the bytes) instead of their fp32 copies, as the eager path does.
+  16-bit weights (half the bytes) instead of their fp32 copies, through the same kernel as the eager path.
 
 What inductor fuses is the elementwise work in between, so the compiled forward computes every rounding of the
 model's dtype where it sees fit: a bf16 forward is not bit-identical to transformers' eager one (as vLLM's is
@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .small_linear import few_rows_linear
 
 if TYPE_CHECKING:
     from .attention import StepContext
@@ -92,11 +94,12 @@ def _fp32_linear(
     out_features: int,
     min_rows: int,
 ) -> torch.Tensor:
-    """``[N, in]`` 16-bit rows: fewer than ``min_rows`` times the model's own 16-bit weight (a call that few rows
-    is bound by reading the weight), otherwise their fp32 upcasts times the reordered fp32 copy, rounded back once
-    (:class:`qkv.cpu_linear.Fp32Linear`, whose eager forward makes the same choice)."""
+    """``[N, in]`` 16-bit rows: fewer than ``min_rows`` times the model's own 16-bit weight through
+    :mod:`qkv.small_linear` (a call that few rows is bound by reading the weight), otherwise their fp32 upcasts
+    times the reordered fp32 copy, rounded back once (:class:`qkv.cpu_linear.Fp32Linear`, whose eager forward
+    makes the same choice)."""
     if x.shape[0] < min_rows:
-        return torch.nn.functional.linear(x, weight, bias)
+        return few_rows_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.float(), weight32, bias32, "none", [], "").to(x.dtype)
 
 
@@ -140,7 +143,7 @@ class CompiledModel:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         decoder: torch.nn.Module = model.get_decoder()  # type: ignore[operator]  # a transformers PreTrainedModel
-        self.decoder: Callable[..., Any] = torch.compile(decoder, dynamic=True)
+        self.decoder: Callable[..., Any] = torch.compile(decoder, dynamic=True, options={"size_asserts": False})
         self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
         self.ok = True
         self.seconds = 0.0

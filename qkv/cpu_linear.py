@@ -18,11 +18,12 @@ takes 0.49 ms through MKL and 0.34 ms through oneDNN, the 49152-row LM head 45 m
 at 512 rows they are within 5-25 %, oneDNN ahead.
 
 A call with few rows is bound by reading the weights, not by arithmetic, and there an
-fp32 copy (twice the bytes) is slower. A SmolLM2-135M decode step here (median, every
-linear one way or the other) takes 57 ms in bf16 against 102 ms in fp32 at batch 1, 81 against
-101 at batch 2, 102 against 99 at batch 3 and 131 against 111 at batch 4. Calls of fewer than
-:data:`MIN_ROWS` rows therefore keep the model's own GEMM, which also leaves batch-1 and
-batch-2 decode the arithmetic of ``transformers.generate``.
+fp32 copy (twice the bytes) is slower, and torch's own bf16 GEMM slower still (it widens the
+weights in a loop that runs well below memory speed). Calls of fewer than :data:`MIN_ROWS`
+rows therefore read the model's 16-bit weights through the few-row kernel of
+:mod:`qkv.small_linear`, which computes what the bf16 GEMM computes in a fixed order of its own.
+Where the two ways cross depends on the CPU: ``scripts/bench_few_rows.py`` measures it
+(``eval/results/bench/few_rows_*.json``).
 
 :class:`Fp32Linear` swaps the linears' ``forward`` only while a forward runs, so the
 model object stays shareable with another engine or with ``transformers`` code. Its
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 
 from .batch_invariant import BatchInvariantLinear
 from .compiled import fp32_linear, onednn_linear
+from .small_linear import few_rows_linear
 
 __all__ = [
     "CPU_MATMUL_DTYPES",
@@ -55,7 +57,7 @@ __all__ = [
 ]
 
 CPU_MATMUL_DTYPES = ("auto", "model", "float32")
-MIN_ROWS = 3  # rows per call from which fp32 wins here; fewer are bound by reading the weights (module docstring)
+MIN_ROWS = 10  # rows per call from which the fp32 GEMM wins (module docstring); fewer read the 16-bit weights
 
 
 def native_16bit_matmul(dtype: torch.dtype) -> bool:
@@ -155,7 +157,7 @@ class Fp32Linear:
 
     def __enter__(self) -> Fp32Linear:
         for (m, _, _), forward in zip(self.linears, self.forwards):
-            setattr(m, "forward", forward)  # noqa: B010 (an instance attribute)
+            m.__dict__["forward"] = forward  # an instance attribute; Module.__setattr__ costs microseconds
         return self
 
     def __exit__(self, *exc) -> None:
@@ -172,7 +174,7 @@ class Fp32Linear:
                 y = fp32_linear(rows, w32, b32, m.weight, m.bias, m.out_features, min_rows)
                 return y.reshape(*x.shape[:-1], m.out_features)
         elif x.numel() < min_rows * x.shape[-1]:
-            return F.linear(x, m.weight, m.bias)
+            return few_rows_linear(x, m.weight, m.bias)
         if not onednn:
             return F.linear(x.float(), w32, b32).to(x.dtype)
         y = _onednn(x.reshape(-1, x.shape[-1]).float(), w32, b32, m.out_features)
@@ -201,7 +203,7 @@ class PackedLinear:
 
     def __enter__(self) -> PackedLinear:
         for (m, _, _), forward in zip(self.linears, self.forwards):
-            setattr(m, "forward", forward)  # noqa: B010 (an instance attribute)
+            m.__dict__["forward"] = forward  # an instance attribute; Module.__setattr__ costs microseconds
         return self
 
     def __exit__(self, *exc) -> None:

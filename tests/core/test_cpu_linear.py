@@ -23,6 +23,7 @@ from qkv.cpu_linear import (
     onednn_available,
     resolve_cpu_matmul,
 )
+from qkv.small_linear import few_rows_kernel
 
 CPU = torch.device("cpu")
 
@@ -67,7 +68,8 @@ def test_fp32_path_is_the_upcast_formula_bit_for_bit_and_small_calls_stay_native
     # either way an fp32 accumulation of the exact products: within fp32 rounding of the float64 result
     exact = F.linear(x.double(), lin.weight.double(), None if b32 is None else b32.double())
     assert (want.double() - exact).abs().max().item() < 1e-5
-    assert torch.equal(y_few, F.linear(few, lin.weight, lin.bias))
+    # fewer rows: the 16-bit weights through the few-row kernel (tests/kernels/test_cpu_gemm.py), not fp32 copies
+    assert torch.equal(y_few, few_rows_kernel()(few, lin.weight, lin.bias))
     # outside the mode the module is the plain nn.Linear again
     assert "forward" not in lin.__dict__
     assert torch.equal(model(x), F.linear(x, lin.weight, lin.bias))
@@ -76,8 +78,8 @@ def test_fp32_path_is_the_upcast_formula_bit_for_bit_and_small_calls_stay_native
 @pytest.mark.parametrize("bias", [True, False])
 def test_compiled_fp32_path_takes_the_eager_paths_branch_at_run_time(bias):
     """Under torch.compile the row count is a symbol, so the branch lives in the opaque ``qkv::fp32_linear``: one
-    compiled graph (dynamic rows) gives a one-row call the model's bf16 GEMM and a call of ``MIN_ROWS`` rows the
-    upcast formula, each bit for bit what the eager mode computes."""
+    compiled graph (dynamic rows) gives a one-row call the few-row kernel on the bf16 weights and a call of
+    ``MIN_ROWS`` rows the upcast formula, each bit for bit what the eager mode computes."""
     lin = _linear(bias)
     mode = Fp32Linear(lin, onednn=True)
     forward = torch.compile(lambda x: lin(x), dynamic=True, fullgraph=True)
@@ -85,7 +87,8 @@ def test_compiled_fp32_path_takes_the_eager_paths_branch_at_run_time(bias):
     with mode, torch.no_grad():  # the engine's forwards run without autograd, as here
         eager_one, eager_many = lin(one), lin(many)
         compiled_one, compiled_many = forward(one), forward(many)
-    assert torch.equal(compiled_one, F.linear(one, lin.weight, lin.bias)) and torch.equal(compiled_one, eager_one)
+    assert torch.equal(compiled_one, few_rows_kernel()(one, lin.weight, lin.bias))
+    assert torch.equal(compiled_one, eager_one)
     b32 = None if lin.bias is None else lin.bias.float()
     want = _onednn_linear(many.float(), lin.weight.float(), b32).to(torch.bfloat16)
     assert torch.equal(compiled_many, want) and torch.equal(compiled_many, eager_many)

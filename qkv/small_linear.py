@@ -1,0 +1,62 @@
+"""A 16-bit model's linear layers for the few rows of a decode step, on CPUs without 16-bit matrix units.
+
+Why: a call of one or two rows is bound by reading the weights. On such a CPU torch's bf16 GEMM widens them in a
+loop that runs well below memory speed, and qkv's fp32 copies (:mod:`qkv.cpu_linear`) are twice the bytes, so
+:class:`~qkv.cpu_linear.Fp32Linear` sends those calls here: the C++ kernel of :mod:`qkv.kernels.cpu_gemm`, which
+reads the 16-bit weights once. It computes what torch's bf16 kernel computes (exact products, fp32 sums, one
+rounding), in a fixed order of its own, so a row's bits do not depend on the rows beside it or the thread count.
+Where the kernel cannot be built (no C++ compiler, a CPU without AVX2), torch's GEMM takes the call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.cpu_build import KernelBuildError
+from .kernels.cpu_gemm import SmallGemm
+from .registry import default_cache_dir
+
+__all__ = ["few_rows_kernel", "few_rows_linear"]
+
+logger = logging.getLogger("qkv")
+
+_16BIT = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def few_rows_kernel() -> SmallGemm | None:
+    """The kernel, built once per process into the CPU kernels' cache directory (the library that holds qkv's
+    attention kernels); None, with one warning, where it cannot be built."""
+    try:
+        kernel = SmallGemm.build(default_cache_dir() / "kernels")
+    except KernelBuildError as e:
+        logger.warning("qkv: few-row linears use torch's GEMM: the CPU kernels did not build (%s)", e)
+        return None
+    if kernel is None:
+        logger.warning("qkv: few-row linears use torch's GEMM: the CPU kernels were built without AVX2/FMA/F16C")
+    return kernel
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a 16-bit ``x`` of a few rows, through the kernel where there is one.
+
+    Every check here is an attribute read: the call runs once per linear of a decode step."""
+    kernel = few_rows_kernel()
+    if (
+        kernel is None
+        or not x.is_cpu
+        or x.dtype not in _16BIT
+        or weight.dtype != x.dtype
+        or (bias is not None and bias.dtype != x.dtype)
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        return F.linear(x, weight, bias)
+    if x.dim() == 2:
+        return kernel.linear(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous())
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    y = kernel.linear(rows, weight.contiguous(), None if bias is None else bias.contiguous())
+    return y.reshape(*x.shape[:-1], weight.shape[0])
