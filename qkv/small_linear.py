@@ -55,8 +55,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     ):
         return F.linear(x, weight, bias)
-    if x.dim() == 2:
-        return kernel.linear(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous())
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    y = kernel.linear(rows, weight.contiguous(), None if bias is None else bias.contiguous())
+    b = None if bias is None else bias.contiguous()
+    if x.dim() == 2:  # the compiled path's calls: no reshape either way
+        return kernel.linear(x.contiguous(), weight.contiguous(), b)
+    y = kernel.linear(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), b)
     return y.reshape(*x.shape[:-1], weight.shape[0])
