@@ -20,8 +20,10 @@ at 512 rows they are within 5-25 %, oneDNN ahead.
 A call with few rows is bound by reading the weights, not by arithmetic, and there an
 fp32 copy (twice the bytes) is slower, and torch's own bf16 GEMM slower still (it widens the
 weights in a loop that runs well below memory speed). Calls of fewer than :data:`MIN_ROWS`
-rows therefore read the model's 16-bit weights through the few-row kernel of
-:mod:`qkv.small_linear`, which computes what the bf16 GEMM computes in a fixed order of its own.
+rows therefore read the model's 16-bit weights through the C++ kernel of
+:mod:`qkv.small_linear`, which computes what the bf16 GEMM computes in a fixed order of its own;
+its register tiles keep it ahead of oneDNN's fp32 inner product up to about a hundred rows,
+the whole range of a batched decode step, and prefill's longer calls take oneDNN.
 Where the two ways cross depends on the CPU: ``scripts/bench_few_rows.py`` measures it
 (``eval/results/bench/few_rows_*.json``).
 
@@ -57,7 +59,7 @@ __all__ = [
 ]
 
 CPU_MATMUL_DTYPES = ("auto", "model", "float32")
-MIN_ROWS = 10  # rows per call from which the fp32 GEMM wins (module docstring); fewer read the 16-bit weights
+MIN_ROWS = 128  # rows per call from which the fp32 GEMM wins (module docstring); fewer read the 16-bit weights
 
 
 def native_16bit_matmul(dtype: torch.dtype) -> bool:

@@ -1,9 +1,10 @@
-"""A 16-bit model's linear layers for the few rows of a decode step, on CPUs without 16-bit matrix units.
+"""A 16-bit model's linear layers for the rows of a decode step, on CPUs without 16-bit matrix units.
 
 Why: a call of one or two rows is bound by reading the weights. On such a CPU torch's bf16 GEMM widens them in a
 loop that runs well below memory speed, and qkv's fp32 copies (:mod:`qkv.cpu_linear`) are twice the bytes, so
-:class:`~qkv.cpu_linear.Fp32Linear` sends those calls here: the C++ kernel of :mod:`qkv.kernels.cpu_gemm`, which
-reads the 16-bit weights once. It computes what torch's bf16 kernel computes (exact products, fp32 sums, one
+:class:`~qkv.cpu_linear.Fp32Linear` sends calls of up to about a hundred rows here: the C++ kernel of
+:mod:`qkv.kernels.cpu_gemm`, which reads the 16-bit weights once and, at a few dozen rows, multiplies faster than
+oneDNN's fp32 inner product on the copies. It computes what torch's bf16 kernel computes (exact products, fp32 sums, one
 rounding), in a fixed order of its own, so a row's bits do not depend on the rows beside it or the thread count.
 Where the kernel cannot be built (no C++ compiler, a CPU without AVX2), torch's GEMM takes the call.
 """

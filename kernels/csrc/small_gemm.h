@@ -1,11 +1,16 @@
-// A 16-bit model's linear layer for a few rows: y[M, N] = x[M, K] . w[N, K]^T (+ bias), on CPUs without 16-bit
-// matrix units. Included by paged_cpu.cpp (its load_f32 / store_f32 and dtype codes); launcher:
+// A 16-bit model's linear layer for decode's row counts: y[M, N] = x[M, K] . w[N, K]^T (+ bias), on CPUs without
+// 16-bit matrix units. Included by paged_cpu.cpp (its load_f32 / store_f32 and dtype codes); launcher:
 // kernels/cpu_gemm.py.
 //
-// Why: at decode's one or two rows a linear layer is bound by reading its weights. torch's bf16 (and fp16) GEMM
-// on such a CPU converts inside a loop that does not keep up with memory, and the fp32 copies that qkv's batched
-// path multiplies (qkv/cpu_linear.py) are twice the bytes. Here each weight row is read once, widened to fp32 in
-// registers (a shift for bf16, F16C for fp16) and multiplied into every row of x.
+// Why: at one or two rows a linear layer is bound by reading its weights. torch's bf16 (and fp16) GEMM on such a
+// CPU converts inside a loop that does not keep up with memory, and the fp32 copies that qkv's batched path
+// multiplies (qkv/cpu_linear.py) are twice the bytes. Here each weight row is read from memory once, widened to
+// fp32 in registers (a shift for bf16, F16C for fp16), and every row of x passes over it while it sits in L1.
+// At a few dozen rows the product, not the read, is the bound: groups of three rows of x against four weight
+// rows keep twelve accumulators in flight, with the x vectors held in registers, and from a handful of rows on
+// each weight tile is widened once into a per-thread buffer rather than once per group. So the kernel stays
+// ahead of oneDNN's fp32 inner product on the copies to about a hundred rows, where batched decode steps
+// live (scripts/bench_few_rows.py measures where they cross).
 //
 // Arithmetic: the exact fp32 products of the 16-bit operands, summed in fp32 and rounded once to the model's
 // dtype, what torch's 16-bit kernels compute, in this fixed order: lane l of eight accumulates k = l, l + 8, ...
@@ -26,9 +31,12 @@ struct SmallGemmArgs {
   int32_t num_threads;
 };
 
-static inline __m256 widen8(const uint16_t* p, int32_t dtype) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if (dtype == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// Eight weights as fp32: widened from bf16 (a shift) or fp16 (F16C), or read from a tile already widened (F32).
+template <int32_t DT>
+static inline __m256 widen8(const void* p) {
+  if constexpr (DT == F32) return _mm256_loadu_ps(static_cast<const float*>(p));
+  const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  if constexpr (DT == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   return _mm256_cvtph_ps(h);
 }
 
@@ -38,27 +46,34 @@ static inline float lane_sum(__m256 v) {  // ((0+4)+(2+6)) + ((1+5)+(3+7))
   return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
-// Rows n0 .. n0 + NB of w against MR rows of the fp32 x (xf, row stride K8, zero-padded to K8).
-template <int MR, int NB>
-static inline void small_gemm_tile(const SmallGemmArgs& a, const float* xf, int64_t K8, int64_t m0, int64_t n0) {
-  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+// NB weight rows (w, of type DT, row stride ldw elements; rows n0 .. n0 + NB of the layer) against MR rows of the
+// fp32 x (xf, row stride K8, zero-padded to K8).
+template <int MR, int NB, int32_t DT>
+static inline void small_gemm_tile(const SmallGemmArgs& a, const float* xf, int64_t K8, int64_t m0, const void* w,
+                                   int64_t ldw, int64_t n0) {
+  using W = std::conditional_t<DT == F32, float, uint16_t>;
+  const W* wt = static_cast<const W*>(w);
   __m256 acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
-  const int64_t K = a.K, full = K / 8 * 8;
+  const int64_t K = a.K, full = DT == F32 ? K8 : K / 8 * 8;  // a widened tile is zero-padded to K8
   for (int64_t k = 0; k < full; k += 8) {
-    __m256 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = widen8(w + (n0 + j) * K + k, a.dtype);
+    __m256 xv[MR];
     for (int m = 0; m < MR; ++m) {
-      const __m256 xv = _mm256_loadu_ps(xf + (m0 + m) * K8 + k);
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_fmadd_ps(wv[j], xv, acc[m][j]);
+      xv[m] = _mm256_loadu_ps(xf + (m0 + m) * K8 + k);
+      asm("" : "+x"(xv[m]));  // keep x in a register: folded into each multiply-add it would be loaded NB times
+    }
+    for (int j = 0; j < NB; ++j) {
+      __m256 wv = widen8<DT>(wt + j * ldw + k);
+      if constexpr (DT == F32) asm("" : "+x"(wv));  // likewise
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm256_fmadd_ps(wv, xv[m], acc[m][j]);
     }
   }
-  if (full < K) {  // the last K % 8 columns, zero-padded: the lanes past K add 0 * 0
+  if (full < K8) {  // the last K % 8 columns, zero-padded: the lanes past K add 0 * 0
     for (int j = 0; j < NB; ++j) {
-      alignas(32) uint16_t tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      std::memcpy(tail, w + (n0 + j) * K + full, (K - full) * sizeof(uint16_t));
-      const __m256 wv = widen8(tail, a.dtype);
+      alignas(32) W tail[8] = {};
+      std::memcpy(tail, wt + j * ldw + full, (K - full) * sizeof(W));
+      const __m256 wv = widen8<DT>(tail);
       for (int m = 0; m < MR; ++m)
         acc[m][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + (m0 + m) * K8 + full), acc[m][j]);
     }
@@ -71,15 +86,45 @@ static inline void small_gemm_tile(const SmallGemmArgs& a, const float* xf, int6
     }
 }
 
-template <int MR>
-static void small_gemm_rows(const SmallGemmArgs& a, const float* xf, int64_t K8, int64_t m0) {
-  // Weight rows per tile: MR x NB accumulators, NB widened weight vectors and one x vector stay within the 16
-  // vector registers. The tile shape does not change any (m, n)'s order of operations.
-  constexpr int NB = MR >= 4 ? 2 : 4;
+template <int NB, int32_t DT>
+static inline void small_gemm_tile_rows(const SmallGemmArgs& a, const float* xf, int64_t K8, const void* w,
+                                        int64_t ldw, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 3 <= a.M; m0 += 3) small_gemm_tile<3, NB, DT>(a, xf, K8, m0, w, ldw, n0);
+  for (; m0 + 2 <= a.M; m0 += 2) small_gemm_tile<2, NB, DT>(a, xf, K8, m0, w, ldw, n0);
+  if (m0 < a.M) small_gemm_tile<1, NB, DT>(a, xf, K8, m0, w, ldw, n0);
+}
+
+// Rows at which a tile is widened to fp32 once rather than in every group of three rows of x.
+constexpr int64_t SMALL_GEMM_WIDEN_ROWS = 6;
+
+// One tile of NB weight rows against every row of x: the tile is read from memory once and stays in L1 while the
+// groups of (up to) three rows of x pass over it, so a call of many rows still reads each weight once. The group
+// shape, and whether the tile was widened first (exactly), change no (m, n)'s order of operations.
+template <int NB, int32_t DT>
+static inline void small_gemm_tile_all_rows(const SmallGemmArgs& a, const float* xf, int64_t K8, float* wide,
+                                            int64_t n0) {
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + n0 * a.K;
+  if (a.M < SMALL_GEMM_WIDEN_ROWS) return small_gemm_tile_rows<NB, DT>(a, xf, K8, w, a.K, n0);
+  for (int j = 0; j < NB; ++j) {
+    int64_t k = 0;
+    for (; k + 8 <= a.K; k += 8) _mm256_storeu_ps(wide + j * K8 + k, widen8<DT>(w + j * a.K + k));
+    for (; k < K8; ++k) wide[j * K8 + k] = k < a.K ? load_f32(w, j * a.K + k, DT) : 0.0f;
+  }
+  small_gemm_tile_rows<NB, F32>(a, xf, K8, wide, K8, n0);
+}
+
+template <int NB, int32_t DT>
+static void small_gemm_all(const SmallGemmArgs& a, const float* xf, int64_t K8) {
   const int64_t tiles = a.N / NB;
-#pragma omp parallel for schedule(static) num_threads(a.num_threads) if (a.N * a.K > (1 << 15))
-  for (int64_t t = 0; t < tiles; ++t) small_gemm_tile<MR, NB>(a, xf, K8, m0, t * NB);
-  for (int64_t n = tiles * NB; n < a.N; ++n) small_gemm_tile<MR, 1>(a, xf, K8, m0, n);
+#pragma omp parallel num_threads(a.num_threads) if (a.N * a.K > (1 << 15))
+  {
+    std::vector<float> wide(a.M < SMALL_GEMM_WIDEN_ROWS ? 0 : NB * K8);  // this thread's widened tile
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) small_gemm_tile_all_rows<NB, DT>(a, xf, K8, wide.data(), t * NB);
+#pragma omp single
+    for (int64_t n = tiles * NB; n < a.N; ++n) small_gemm_tile_all_rows<1, DT>(a, xf, K8, wide.data(), n);
+  }
 }
 
 extern "C" int qkv_small_gemm(const SmallGemmArgs* a) {
@@ -88,14 +133,23 @@ extern "C" int qkv_small_gemm(const SmallGemmArgs* a) {
   std::vector<float> xf(a->M * K8, 0.0f);  // x widened once (exactly), zero-padded to whole vectors
   for (int64_t m = 0; m < a->M; ++m)
     for (int64_t k = 0; k < a->K; ++k) xf[m * K8 + k] = load_f32(a->x, m * a->K + k, a->dtype);
-  int64_t m0 = 0;  // up to four rows share one read of the weights
-  for (; m0 + 4 <= a->M; m0 += 4) small_gemm_rows<4>(*a, xf.data(), K8, m0);
-  for (; m0 + 2 <= a->M; m0 += 2) small_gemm_rows<2>(*a, xf.data(), K8, m0);
-  if (m0 < a->M) small_gemm_rows<1>(*a, xf.data(), K8, m0);
+  // Four weight rows a tile: 3 x 4 accumulators, three rows of x and one weight vector fill the 16 registers.
+  if (a->dtype == BF16)
+    small_gemm_all<4, BF16>(*a, xf.data(), K8);
+  else
+    small_gemm_all<4, F16>(*a, xf.data(), K8);
   return 0;
 }
 
 #else
+
+template <int NB, int32_t DT>
+static void small_gemm_all(const SmallGemmArgs& a, const float* xf, int64_t K8) {
+  const int64_t tiles = a.N / NB;
+#pragma omp parallel for schedule(static) num_threads(a.num_threads) if (a.N * a.K > (1 << 15))
+  for (int64_t t = 0; t < tiles; ++t) small_gemm_tile_all_rows<NB, DT>(a, xf, K8, t * NB);
+  for (int64_t n = tiles * NB; n < a.N; ++n) small_gemm_tile_all_rows<1, DT>(a, xf, K8, n);
+}
 
 extern "C" int qkv_small_gemm(const void*) { return 2; }  // built without AVX2, FMA and F16C: the launcher falls back
 

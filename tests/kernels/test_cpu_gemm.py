@@ -11,7 +11,8 @@ import torch
 from qkv.kernels.cpu_gemm import SmallGemm
 from qkv.registry import default_cache_dir
 
-SHAPES = [  # (M, N, K): SmolLM2's projections and LM head, and tails in N (not a multiple of 4) and K (of 8)
+SHAPES = [  # (M, N, K): SmolLM2's projections, tails in N (not a multiple of 4), K (of 8) and M (of 3), and from
+    # 6 rows on the tiles widened once per thread (the header's SMALL_GEMM_WIDEN_ROWS)
     (1, 576, 576),
     (2, 192, 576),
     (1, 576, 1536),
@@ -19,6 +20,9 @@ SHAPES = [  # (M, N, K): SmolLM2's projections and LM head, and tails in N (not 
     (5, 7, 13),
     (8, 1536, 576),
     (2, 3, 5),
+    (6, 9, 13),
+    (40, 193, 1536),
+    (97, 576, 576),
 ]
 
 
@@ -64,9 +68,11 @@ def test_kernel_is_its_reference_bit_for_bit(gemm, m, n, k, dtype):
 
 
 def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_threads(gemm):
-    x, w, b = operands(5, 1537, 1536, torch.bfloat16, seed=1)
+    """Alone, each row takes the one-row tiles on the 16-bit weights; in a call of 41 it shares groups of three
+    with its neighbours on tiles widened first: the same bits either way."""
+    x, w, b = operands(41, 1537, 1536, torch.bfloat16, seed=1)
     together = gemm(x, w, b)
-    alone = torch.cat([gemm(x[i : i + 1], w, b) for i in range(5)])
+    alone = torch.cat([gemm(x[i : i + 1], w, b) for i in range(41)])
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
