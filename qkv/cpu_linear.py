@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from .batch_invariant import BatchInvariantLinear
 from .compiled import fp32_linear, onednn_linear
 from .small_linear import few_rows_linear
+from .stacked_linear import StackedLinear
 
 __all__ = [
     "CPU_MATMUL_DTYPES",
@@ -192,10 +193,12 @@ class PackedLinear:
     engines that share it) cost the linear weights' bytes once more; the originals stay for the embedding
     lookup of tied weights and for other engines."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, skip: frozenset[int] = frozenset()) -> None:
+        """``skip``: ids of linears another mode runs (:class:`~qkv.stacked_linear.StackedLinear`'s), left unpacked; the
+        same for every engine that shares the model, since the copies are made once."""
         cached = model.__dict__.setdefault(_COPIES, {})
         if "packed" not in cached:
-            cached["packed"] = _packed_copies(model)
+            cached["packed"] = _packed_copies(model, skip)
         self.linears: list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]] = cached["packed"]
         if "packed_forwards" not in cached:  # one set per model, as Fp32Linear's
             cached["packed_forwards"] = [
@@ -226,7 +229,9 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out_featur
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-def _packed_copies(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]]:
+def _packed_copies(
+    model: torch.nn.Module, skip: frozenset[int]
+) -> list[tuple[torch.nn.Linear, torch.Tensor, torch.Tensor | None]]:
     copies: dict[int, torch.Tensor] = {}
 
     def packed(t: torch.Tensor) -> torch.Tensor:
@@ -237,7 +242,7 @@ def _packed_copies(model: torch.nn.Module) -> list[tuple[torch.nn.Linear, torch.
     return [
         (m, packed(m.weight), None if m.bias is None else m.bias.detach())
         for m in model.modules()
-        if isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.bfloat16, torch.float16)
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype in (torch.bfloat16, torch.float16) and id(m) not in skip
     ]
 
 
@@ -255,8 +260,9 @@ def linear_modes(
         )
         modes.append(lambda: mode)
     elif matmul == "packed" and not batch_invariant:
-        packed = PackedLinear(model)
-        modes.append(lambda: packed)
+        stacked = StackedLinear(model)  # q/k/v and gate/up as one product each; the packed linears take the rest
+        packed = PackedLinear(model, frozenset(stacked.linears))
+        modes += [lambda: stacked, lambda: packed]
     if batch_invariant:
         modes.append(BatchInvariantLinear)
     return modes
