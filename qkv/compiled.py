@@ -16,6 +16,9 @@ Two things stay outside inductor, as opaque custom ops with fake (shape-only) im
   opaque, the latter can also branch on the row count the graph does not know: a one-token decode reads the
   16-bit weights (half the bytes) instead of their fp32 copies, through the same kernel as the eager path.
 
+A third opaque op, ``qkv::materialize`` (a copy), only stops a fusion: the rotary embedding's cos and sin tables
+pass through it, so that they are computed once per forward instead of inside every layer's rotation.
+
 What inductor fuses is the elementwise work in between, so the compiled forward computes every rounding of the
 model's dtype where it sees fit: a bf16 forward is not bit-identical to transformers' eager one (as vLLM's is
 not), and the exactness guarantees stay with the eager path (the default). The token count is an unbacked
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -39,7 +43,15 @@ from .small_linear import few_rows_linear
 if TYPE_CHECKING:
     from .attention import StepContext
 
-__all__ = ["CompiledModel", "current_step", "fp32_linear", "onednn_linear", "paged_attention", "step_context"]
+__all__ = [
+    "CompiledModel",
+    "current_step",
+    "fp32_linear",
+    "materialize",
+    "onednn_linear",
+    "paged_attention",
+    "step_context",
+]
 
 logger = logging.getLogger("qkv")
 
@@ -69,6 +81,7 @@ def current_step() -> StepContext:
 _LIB = torch.library.Library("qkv", "DEF")
 _LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scaling) -> Tensor")
 _LIB.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
+_LIB.define("materialize(Tensor x) -> Tensor")
 _LIB.define(
     "fp32_linear(Tensor x, Tensor weight32, Tensor? bias32, Tensor weight, Tensor? bias, int out_features,"
     " int min_rows) -> Tensor"
@@ -105,6 +118,7 @@ def _fp32_linear(
 
 _LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
 _LIB.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
+_LIB.impl("materialize", torch.clone, "CompositeExplicitAutograd")
 _LIB.impl("fp32_linear", _fp32_linear, "CompositeExplicitAutograd")
 
 
@@ -123,9 +137,22 @@ def _(x: torch.Tensor, *weights_and_sizes: Any) -> torch.Tensor:  # weight32, bi
     return x.new_empty(x.shape[0], weights_and_sizes[4])
 
 
+@torch.library.register_fake("qkv::materialize", lib=_LIB)
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 paged_attention = torch.ops.qkv.paged_attention.default
 fp32_linear = torch.ops.qkv.fp32_linear.default
 onednn_linear = torch.ops.qkv.onednn_linear.default
+materialize = torch.ops.qkv.materialize.default
+
+
+def _rope_once(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A rotary embedding's ``(cos, sin)``, each copied by an opaque op, so that inductor computes the table once
+    per forward: left to itself it fuses ``cos(position x inv_freq)`` into every layer's rotation, and recomputes
+    the cosine and sine for each head's element of q and k in every layer."""
+    return tuple(materialize(t) for t in forward(*args, **kwargs))
 
 
 class CompiledModel:
@@ -147,6 +174,13 @@ class CompiledModel:
         # (hundreds a decode step); the fakes above declare exactly what the ops return, and the tests compare.
         self.decoder: Callable[..., Any] = torch.compile(decoder, dynamic=True, options={"size_asserts": False})
         self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
+        # installed only while the compiled decoder runs, as the linear modes' forwards are; made once, so that
+        # dynamo's guards on them hold from step to step
+        self.ropes = [
+            (m, functools.partial(_rope_once, m.forward))
+            for m in decoder.modules()
+            if type(m).__name__.endswith("RotaryEmbedding")
+        ]
         self.ok = True
         self.seconds = 0.0
 
@@ -159,10 +193,16 @@ class CompiledModel:
             torch._dynamo.decorators.mark_unbacked(t, 1)
         # Python floats (attention scaling, norm epsilons) as constants: tracing them as symbols and specializing
         # later makes dynamo restart its analysis, which costs a whole second trace of the model.
-        with step_context(ctx), torch._dynamo.config.patch(specialize_float=True):
-            hidden = self.decoder(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False
-            ).last_hidden_state
+        for m, forward in self.ropes:
+            m.__dict__["forward"] = forward
+        try:
+            with step_context(ctx), torch._dynamo.config.patch(specialize_float=True):
+                hidden = self.decoder(
+                    input_ids=input_ids, position_ids=position_ids, attention_mask=None, use_cache=False
+                ).last_hidden_state
+        finally:
+            for m, _ in self.ropes:
+                m.__dict__.pop("forward", None)
         head: torch.nn.Module = self.model.get_output_embeddings()  # type: ignore[operator]
         logits = head(hidden[0, rows])
         if self.softcap is not None:  # as the model's own forward does (Gemma)

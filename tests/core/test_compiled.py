@@ -60,6 +60,24 @@ def test_same_tokens_as_eager(compiled):
     assert [len(x) for x in ids] == [24, 24, 24]
 
 
+def test_rope_tables_pass_through_the_opaque_copy_only_while_compiled(compiled):
+    """The rotary embedding's cos and sin go through qkv::materialize inside the compiled forward (so that inductor
+    computes them once, not in every layer), and the module's own forward is back once the step is done."""
+    from qkv.compiled import materialize
+
+    path, llm, _ = compiled
+    ropes = llm.llm_engine.runner.compiled.ropes
+    want = "Gemma3RotaryEmbedding" if "gemma3" in path else "LlamaRotaryEmbedding"
+    assert [type(m).__name__ for m, _ in ropes] == [want]
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert all("forward" not in m.__dict__ for m, _ in ropes)
+    m, forward = ropes[0]
+    args = (torch.randn(1, 5, 8), torch.arange(5)[None]) + (("sliding_attention",) if "gemma3" in path else ())
+    assert all(torch.equal(a, b) for a, b in zip(forward(*args), m(*args)))  # the same tables, copied
+    t = torch.randn(3, 4)
+    assert torch.equal(materialize(t), t) and materialize(t).data_ptr() != t.data_ptr()
+
+
 def test_cache_bytes_bit_exact_with_the_reference_write(compiled):
     """The compiled forward stores, through the engine's back end inside the opaque op, exactly the bytes the
     reference writes for the keys and values it hands over (an observer sees those)."""
