@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from .batch_invariant import BatchInvariantLinear
-from .compiled import fp32_linear, onednn_linear
+from .compiled import ONEDNN_ROWS as _ONEDNN_ROWS
+from .compiled import fp32_linear, onednn_product
 from .small_linear import few_rows_linear
 from .stacked_linear import StackedLinear
 
@@ -93,7 +94,6 @@ def resolve_cpu_matmul(setting: str, model_dtype: torch.dtype, device: torch.dev
 
 
 _COPIES = "_qkv_fp32_linears"  # attribute of the model holding its linears' fp32 copies, by layout
-_ONEDNN_ROWS = 16  # the row count oneDNN's weight layout is chosen for (measured: no slower at 1 or 2,048 rows)
 
 
 def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
@@ -180,7 +180,7 @@ class Fp32Linear:
             return few_rows_linear(x, m.weight, m.bias)
         if not onednn:
             return F.linear(x.float(), w32, b32).to(x.dtype)
-        y = _onednn(x.reshape(-1, x.shape[-1]).float(), w32, b32, m.out_features)
+        y = onednn_product(x.reshape(-1, x.shape[-1]).float(), w32, b32, m.out_features)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -217,16 +217,8 @@ class PackedLinear:
 
     @staticmethod
     def _forward(w: torch.Tensor, b: torch.Tensor | None, out_features: int, x: torch.Tensor) -> torch.Tensor:
-        y = _onednn(x.reshape(-1, x.shape[-1]), w, b, out_features)
+        y = onednn_product(x.reshape(-1, x.shape[-1]), w, b, out_features)
         return y.reshape(*x.shape[:-1], out_features)
-
-
-def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """oneDNN's inner product on a reordered weight: directly when eager, as an opaque op under torch.compile
-    (:mod:`qkv.compiled`; the custom op's dispatch would cost eager decode a few percent)."""
-    if torch.compiler.is_compiling():
-        return onednn_linear(x, w, b, out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
 def _packed_copies(

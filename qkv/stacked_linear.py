@@ -25,12 +25,11 @@ import functools
 
 import torch
 
-from .compiled import onednn_linear
+from .compiled import ONEDNN_ROWS, onednn_product
 
 __all__ = ["GROUPS", "StackedLinear"]
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # transformers' names for sibling linears
-_ONEDNN_ROWS = 16  # the row count oneDNN's weight layout is chosen for (as qkv.cpu_linear's)
 
 
 class _Group:
@@ -38,7 +37,7 @@ class _Group:
 
     def __init__(self, parts: list[torch.nn.Linear]) -> None:
         stacked = torch.cat([p.weight.detach() for p in parts])
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, _ONEDNN_ROWS)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, ONEDNN_ROWS)
         self.bias = None if parts[0].bias is None else torch.cat([p.bias.detach() for p in parts])
         self.sizes = [p.out_features for p in parts]
         self.out_features = sum(self.sizes)
@@ -75,7 +74,9 @@ class StackedLinear:
                         group = _Group(parts)
                         forwards += [(p, functools.partial(self._forward, group, i)) for i, p in enumerate(parts)]
             cached["forwards"] = forwards
+            cached["groups"] = list({id(f.args[0]): f.args[0] for _, f in forwards}.values())
         self.forwards: list[tuple[torch.nn.Linear, functools.partial]] = cached["forwards"]
+        self.groups: list[_Group] = cached["groups"]
         self.linears = {id(p) for p, _ in self.forwards}
 
     def __enter__(self) -> StackedLinear:
@@ -84,9 +85,10 @@ class StackedLinear:
         return self
 
     def __exit__(self, *exc) -> None:
-        for p, forward in self.forwards:
+        for p, _ in self.forwards:
             p.__dict__.pop("forward", None)
-            forward.args[0].clear()  # nothing is held past a forward, whatever the model called
+        for group in self.groups:
+            group.clear()  # nothing is held past a forward, whatever the model called
 
     @staticmethod
     def _forward(group: _Group, part: int, x: torch.Tensor) -> torch.Tensor:
@@ -96,11 +98,7 @@ class StackedLinear:
             if all(k is None for k in group.kept):
                 group.input = None
             return kept
-        rows = x.reshape(-1, x.shape[-1])
-        if torch.compiler.is_compiling():
-            out = onednn_linear(rows, group.weight, group.bias, group.out_features)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(rows, group.weight, group.bias, "none", [], "")
+        out = onednn_product(x.reshape(-1, x.shape[-1]), group.weight, group.bias, group.out_features)
         slices = [s.reshape(*x.shape[:-1], s.shape[-1]) for s in out.split(group.sizes, dim=-1)]
         group.input, group.kept = x, [None if i == part else s for i, s in enumerate(slices)]
         return slices[part]
