@@ -185,13 +185,16 @@ class CompiledModel:
         # (hundreds a decode step); the fakes above declare exactly what the ops return, and the tests compare.
         self.decoder: Callable[..., Any] = torch.compile(decoder, dynamic=True, options={"size_asserts": False})
         self.softcap: float | None = getattr(model.config, "final_logit_softcapping", None)
-        # installed only while the compiled decoder runs, as the linear modes' forwards are; made once, so that
-        # dynamo's guards on them hold from step to step
-        self.ropes = [
-            (m, functools.partial(_rope_once, m.forward))
-            for m in decoder.modules()
-            if type(m).__name__.endswith("RotaryEmbedding")
-        ]
+        # installed only while the compiled decoder runs, as the linear modes' forwards are; made once per model and
+        # kept on it, so that dynamo's guards on them hold from step to step and across the engines sharing the model
+        # (a new function per engine would recompile the decoder for each)
+        if "_qkv_rope_once" not in model.__dict__:
+            model.__dict__["_qkv_rope_once"] = [
+                (m, functools.partial(_rope_once, m.forward))
+                for m in decoder.modules()
+                if type(m).__name__.endswith("RotaryEmbedding")
+            ]
+        self.ropes: list[tuple[torch.nn.Module, Callable[..., Any]]] = model.__dict__["_qkv_rope_once"]
         self.ok = True
         self.seconds = 0.0
 

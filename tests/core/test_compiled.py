@@ -49,6 +49,21 @@ def test_one_graph_serves_every_batch(compiled):
     llm.llm_engine.pool.check_no_leaks()
 
 
+def test_an_engine_sharing_the_model_reuses_its_graph(compiled):
+    """A second engine on the same model object (as qkv bench and qkv eval make, one per cache dtype) compiles
+    nothing: every function its forward installs (the RoPE copy, the linear modes) is the one the first installed,
+    so dynamo's guards hold. One made per engine would recompile the decoder per engine, and leave each forward
+    checking every other engine's guards first."""
+    path, llm, _ = compiled
+    model = llm.llm_engine.model
+    before = graphs()
+    other = LLM(path, preloaded_model=model, dtype="float32", num_blocks=64, kv_cache_dtype="fp8", compile_model=True)
+    assert other.llm_engine.runner.compiled.ropes is llm.llm_engine.runner.compiled.ropes
+    out = other.generate(PROMPTS[:1], GREEDY)
+    assert graphs() == before and len(out[0].outputs[0].token_ids) == 24
+    other.llm_engine.pool.check_no_leaks()
+
+
 def test_same_tokens_as_eager(compiled):
     """fp32 tiny models: the compiled forward picks the eager forward's greedy tokens (gemma3: sliding
     window and final-logit soft-capping, applied by the eager LM head)."""
