@@ -10,6 +10,10 @@ engine. The two builds are interleaved, repeat by repeat; the JSON records every
 threads and the load average.
 
     python scripts/bench_cpu_attention.py --baseline 1a6b09a -o eval/results/bench/cpu_attention_smollm2.json
+
+``--prefill`` times the dense prefill kernel instead (``csrc/dense_prefill.h``): one 2,048-token chunk of bf16
+queries against its own 2,048 keys (causal), SmolLM2's heads, on each bf16 product this CPU has (AMX tiles,
+VDPBF16PS), the two builds interleaved the same way.
 """
 
 from __future__ import annotations
@@ -41,17 +45,61 @@ DTYPES = ("bfloat16", "fp8_e4m3", "int8", "int8_per_token_head", "int4_per_token
 SEQS, CONTEXT, LAYERS, COLD_COPIES = 16, 1050, 30, 60
 
 
-def build_at(rev: str, out_dir: Path) -> CpuKernels:
+def build_at(rev: str, out_dir: Path, dense_tiles: str | None = None) -> CpuKernels:
     """The kernel sources of commit ``rev`` (kernels/csrc, its headers too), compiled with this checkout's flags
-    (the C interface is the same)."""
+    (the C interface is the same); ``dense_tiles`` picks its bf16 products for prefill (``None``: decode only)."""
     tree = subprocess.run(
         ["git", "archive", "--format=tar", rev, "kernels/csrc"], cwd=ROOT, check=True, capture_output=True
     ).stdout
+    out_dir.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(out_dir)], input=tree, check=True)
     src = out_dir / "kernels" / "csrc" / "paged_cpu.cpp"
     lib = out_dir / "baseline.so"
     subprocess.run([find_compiler(), *cxxflags(), str(src), "-o", str(lib), *_torch_gomp()], check=True)
-    return CpuKernels(ctypes.CDLL(str(lib)))
+    if dense_tiles is None:
+        return CpuKernels(ctypes.CDLL(str(lib)))
+    return CpuKernels(ctypes.CDLL(str(lib)), dense_prefill=True, dense_tiles=dense_tiles)
+
+
+PREFILL_TOKENS = 2048
+
+
+def prefill(args: argparse.Namespace, report: dict, tmp: Path) -> None:
+    """The dense prefill kernel of both builds on each bf16 product this CPU has, interleaved."""
+
+    def head_build(kind: str) -> CpuKernels:
+        return CpuKernels.build(default_cache_dir() / "kernels", dense_prefill=True, dense_tiles=kind)
+
+    kinds = [k for k in ("amx", "avx512_bf16") if head_build(k).dense_tiles == k]
+    if not kinds:
+        print("this CPU has neither AMX nor AVX512-BF16: the dense prefill kernel does not run here")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(PREFILL_TOKENS, 9, 64, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(2, 3, PREFILL_TOKENS, 64, generator=gen).to(torch.bfloat16)
+    report["shape"] = {"tokens": PREFILL_TOKENS, "q_heads": 9, "kv_heads": 3, "head_dim": 64, "causal": True}
+    for n, kind in enumerate(kinds):
+        builds = {
+            "baseline": build_at(args.baseline, tmp / str(n), kind),
+            "head": head_build(kind),
+        }
+        outs = {b: k._tiled(q, kv, PREFILL_TOKENS, None, 0.125) for b, k in builds.items()}
+        diff = (outs["head"].float() - outs["baseline"].float()).abs()
+        runs: dict = {b: [] for b in builds}
+        for r in range(args.repeats):
+            for b in list(builds) if r % 2 == 0 else list(builds)[::-1]:
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    builds[b]._tiled(q, kv, PREFILL_TOKENS, None, 0.125)
+                runs[b].append(100 * (time.perf_counter() - t0))
+        med = {b: statistics.median(v) for b, v in runs.items()}
+        report["results"][kind] = {
+            "runs_ms": runs,
+            "median_ms": med,
+            "speedup": med["baseline"] / med["head"],
+            "outputs_differing": float((diff > 0).float().mean()),
+            "max_abs_diff": float(diff.max()),
+        }
+        print(kind, {b: round(v, 2) for b, v in med.items()}, flush=True)
 
 
 def per_step_ms(kernels: CpuKernels, layers: list, sc, calls: int) -> float:
@@ -66,6 +114,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", required=True, help="the commit whose kernel to compare with")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prefill", action="store_true", help="time the dense prefill kernel instead of decode")
     ap.add_argument("-o", "--output", type=Path, required=True)
     args = ap.parse_args()
     report: dict = {
@@ -81,6 +130,11 @@ def main() -> int:
         },
         "results": {},
     }
+    if args.prefill:
+        with tempfile.TemporaryDirectory() as tmp:
+            prefill(args, report, Path(tmp))
+        write_report(report, args.output)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         builds = {
             "baseline": build_at(args.baseline, Path(tmp)),

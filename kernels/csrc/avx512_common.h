@@ -27,20 +27,18 @@ static inline __m512 exp16(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-// exp(x) for x <= 0 where P is rounded to bf16 next: round-to-nearest range reduction, a degree-5 polynomial
-// (about 2 ulp of fp32) and one vscalefps for the power of two, instead of exp16's integer exponent arithmetic.
-static inline __m512 exp16_bf(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 y = _mm512_set1_ps(1.3981999507e-3f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+// 2^x, for the softmax in the log2 domain (scores scaled by log2(e) with the softmax scale, so that no
+// multiplication is left for the exponential): round-to-nearest range reduction to f in [-0.5, 0.5], a degree-5
+// polynomial fitted to 2^f (relative error 1e-7, fp32's rounding) and one vscalefps for the power of two.
+static inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.3264729641e-3f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6715139225e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5507335812e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022242427e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314700365e-1f));
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(y, n);
 }

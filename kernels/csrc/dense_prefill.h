@@ -81,8 +81,7 @@ struct Dp16 {
 // accumulates O^T (Dp16 above, amx::Tiles in amx_prefill.h).
 template <class Product>
 static int attention(const DenseArgs* a) {
-  using vec16::exp16;
-  using vec16::exp16_bf;
+  using vec16::exp2_16;
   const int D = a->head_dim, H = a->num_q_heads, HK = a->num_kv_heads, G = H / HK;
   const int64_t T = a->T, L = a->L, steps = (L + PK - 1) / PK, tiles = (T + 15) / 16;
   if (!Product::supports(D) || T > L) return 1;
@@ -132,12 +131,14 @@ static int attention(const DenseArgs* a) {
           krows = kpad;
         }
         Product::scores(qb, krows, D, sb);
-        // the online softmax, lanes = query rows; masks only where the step meets the diagonal or the window
+        // the online softmax, lanes = query rows, in the log2 domain (the scale carries log2(e), so P = 2^(s - m)
+        // needs no multiplication: a few percent of the kernel); masks only where the step meets the diagonal or
+        // the window
         const bool edge = st * PK + PK - 1 > first || rows < 16 || (a->window > 0 && st * PK <= last - a->window);
         __m512 sv[PK];
         __mmask16 vk[PK];
         __m512 mx = m;
-        const __m512 sc = _mm512_set1_ps(a->sm_scale);
+        const __m512 sc = _mm512_set1_ps(a->sm_scale * 1.44269504088896341f);  // log2 domain
         for (int k = 0; k < PK; ++k) {
           vk[k] = live;
           if (edge) {
@@ -148,14 +149,14 @@ static int attention(const DenseArgs* a) {
           sv[k] = _mm512_mask_mul_ps(_mm512_set1_ps(ninf), vk[k], _mm512_load_ps(sb + k * 16), sc);
           mx = _mm512_max_ps(mx, sv[k]);
         }
-        // lazy rescaling: a row's reference max moves only when its scores pass it by more than 8 (exp(8) is far
-        // inside fp32's range), so most steps add P.V straight into O^T
-        const __mmask16 grow = _mm512_cmplt_ps_mask(_mm512_add_ps(m, _mm512_set1_ps(8.0f)), mx) &
+        // lazy rescaling: a row's reference max moves only when its scores pass it by more than 11 in the log2
+        // domain (2^11 is far inside fp32's range), so most steps add P.V straight into O^T
+        const __mmask16 grow = _mm512_cmplt_ps_mask(_mm512_add_ps(m, _mm512_set1_ps(11.0f)), mx) &
                                _mm512_cmpneq_ps_mask(mx, _mm512_set1_ps(ninf));
         if (grow) {
           const __m512 m_new = _mm512_mask_mov_ps(m, grow, mx);
           const __m512 alpha = _mm512_maskz_mov_ps(_mm512_cmpneq_ps_mask(m, _mm512_set1_ps(ninf)),
-                                                   exp16(_mm512_sub_ps(m, m_new)));
+                                                   exp2_16(_mm512_sub_ps(m, m_new)));
           const __m512 al = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grow, alpha);
           l = _mm512_mul_ps(l, al);
           for (int d = 0; d < D; ++d) _mm512_store_ps(o + d * 16, _mm512_mul_ps(_mm512_load_ps(o + d * 16), al));
@@ -164,8 +165,8 @@ static int attention(const DenseArgs* a) {
         const __m512 shift = _mm512_mask_mov_ps(_mm512_setzero_ps(), _mm512_cmpneq_ps_mask(m, _mm512_set1_ps(ninf)), m);
         __m512 sum = _mm512_setzero_ps();
         for (int k = 0; k < PK; k += 2) {
-          const __m512 p0 = _mm512_maskz_mov_ps(vk[k], exp16_bf(_mm512_sub_ps(sv[k], shift)));
-          const __m512 p1 = _mm512_maskz_mov_ps(vk[k + 1], exp16_bf(_mm512_sub_ps(sv[k + 1], shift)));
+          const __m512 p0 = _mm512_maskz_mov_ps(vk[k], exp2_16(_mm512_sub_ps(sv[k], shift)));
+          const __m512 p1 = _mm512_maskz_mov_ps(vk[k + 1], exp2_16(_mm512_sub_ps(sv[k + 1], shift)));
           sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
           // P^T in pairs of keys: pb[16 key pairs][16 rows][2]
           const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
