@@ -45,20 +45,17 @@ DTYPES = ("bfloat16", "fp8_e4m3", "int8", "int8_per_token_head", "int4_per_token
 SEQS, CONTEXT, LAYERS, COLD_COPIES = 16, 1050, 30, 60
 
 
-def build_at(rev: str, out_dir: Path, dense_tiles: str | None = None) -> CpuKernels:
+def build_at(rev: str, out_dir: Path) -> ctypes.CDLL:
     """The kernel sources of commit ``rev`` (kernels/csrc, its headers too), compiled with this checkout's flags
-    (the C interface is the same); ``dense_tiles`` picks its bf16 products for prefill (``None``: decode only)."""
+    (the C interface is the same)."""
     tree = subprocess.run(
         ["git", "archive", "--format=tar", rev, "kernels/csrc"], cwd=ROOT, check=True, capture_output=True
     ).stdout
-    out_dir.mkdir(parents=True, exist_ok=True)
     subprocess.run(["tar", "-x", "-C", str(out_dir)], input=tree, check=True)
     src = out_dir / "kernels" / "csrc" / "paged_cpu.cpp"
     lib = out_dir / "baseline.so"
     subprocess.run([find_compiler(), *cxxflags(), str(src), "-o", str(lib), *_torch_gomp()], check=True)
-    if dense_tiles is None:
-        return CpuKernels(ctypes.CDLL(str(lib)))
-    return CpuKernels(ctypes.CDLL(str(lib)), dense_prefill=True, dense_tiles=dense_tiles)
+    return ctypes.CDLL(str(lib))
 
 
 PREFILL_TOKENS = 2048
@@ -77,9 +74,10 @@ def prefill(args: argparse.Namespace, report: dict, tmp: Path) -> None:
     q = torch.randn(PREFILL_TOKENS, 9, 64, generator=gen).to(torch.bfloat16)
     kv = torch.randn(2, 3, PREFILL_TOKENS, 64, generator=gen).to(torch.bfloat16)
     report["shape"] = {"tokens": PREFILL_TOKENS, "q_heads": 9, "kv_heads": 3, "head_dim": 64, "causal": True}
-    for n, kind in enumerate(kinds):
+    baseline = build_at(args.baseline, tmp) if kinds else None
+    for kind in kinds:
         builds = {
-            "baseline": build_at(args.baseline, tmp / str(n), kind),
+            "baseline": CpuKernels(baseline, dense_prefill=True, dense_tiles=kind),
             "head": head_build(kind),
         }
         outs = {b: k._tiled(q, kv, PREFILL_TOKENS, None, 0.125) for b, k in builds.items()}
@@ -137,7 +135,7 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         builds = {
-            "baseline": build_at(args.baseline, Path(tmp)),
+            "baseline": CpuKernels(build_at(args.baseline, Path(tmp))),
             "head": CpuKernels.build(default_cache_dir() / "kernels", dense_prefill=True),
         }
         report["env"]["decode_products"] = builds["head"].dense_tiles
