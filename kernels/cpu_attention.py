@@ -129,6 +129,19 @@ class _RotateArgs(ctypes.Structure):
     ]
 
 
+class _ArgmaxArgs(ctypes.Structure):
+    _fields_ = [
+        ("logits", _ptr),
+        ("rows", _ptr),
+        ("out", _ptr),
+        ("num_rows", _i64),
+        ("vocab", _i64),
+        ("row_stride", _i64),
+        ("in_dtype", _i32),
+        ("num_threads", _i32),
+    ]
+
+
 class _AttnArgs(ctypes.Structure):
     _fields_ = [
         ("cache", _CacheDesc),
@@ -264,6 +277,7 @@ class CpuKernels:
         self._attend = lib.qkv_paged_attention
         self._gather = lib.qkv_gather_kv
         self._rotate = lib.qkv_hadamard_rows
+        self._argmax = lib.qkv_argmax_rows
         # a library built from an older source lacks the newer entry points (scripts/bench_cpu_attention.py loads those)
         self._dense_entry = {kind: getattr(lib, spec[0], None) for kind, spec in _DENSE_TILES.items()}
         for fn, args in (
@@ -271,6 +285,7 @@ class CpuKernels:
             (self._attend, _AttnArgs),
             (self._gather, _GatherArgs),
             (self._rotate, _RotateArgs),
+            (self._argmax, _ArgmaxArgs),
             *((fn, _DenseArgs) for fn in self._dense_entry.values() if fn is not None),
         ):
             fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
@@ -466,6 +481,33 @@ class CpuKernels:
         if x.numel() and self._rotate(ctypes.byref(args)) != 0:
             raise RuntimeError("qkv_hadamard_rows failed")
         return out
+
+    def argmax_rows(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
+        """``logits[rows].float().argmax(-1).tolist()`` (the first maximum, or the first NaN) in one pass of C++
+        over each row: torch's argmax reduces a bf16 row element by element, and widening first copies the rows.
+        ``logits``: a CPU ``[N, vocab]`` tensor of fp32, bf16 or fp16."""
+        if logits.dim() != 2 or logits.device.type != "cpu":
+            raise ValueError(f"logits must be a CPU [N, vocab] tensor, got {tuple(logits.shape)} on {logits.device}")
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        if not rows:
+            return []
+        if min(rows) < 0 or max(rows) >= logits.shape[0]:
+            raise ValueError(f"rows must lie in [0, {logits.shape[0]}), got {rows}")
+        idx = torch.tensor(rows, dtype=torch.int64)
+        out = torch.empty(len(rows), dtype=torch.int64)
+        args = _ArgmaxArgs(
+            logits=logits.data_ptr(),
+            rows=idx.data_ptr(),
+            out=out.data_ptr(),
+            num_rows=len(rows),
+            vocab=logits.shape[1],
+            row_stride=logits.stride(0),
+            in_dtype=_code(logits, "logits"),
+            num_threads=torch.get_num_threads(),
+        )
+        if logits.shape[1] == 0 or self._argmax(ctypes.byref(args)) != 0:
+            raise ValueError(f"argmax over an empty vocabulary: logits {tuple(logits.shape)}")
+        return out.tolist()
 
 
 def _split_dense(meta: StepMetadata) -> tuple[list[int], StepMetadata | None, torch.Tensor] | None:

@@ -19,6 +19,7 @@ import torch
 
 from .attention import StepContext
 from .compiled import CompiledModel
+from .kernels.cpu_attention import CpuKernels
 from .kernels.paged import AttentionBackend, StepMetadata
 from .kv_cache import KVCache
 from .scheduler import SchedulerOutput
@@ -60,6 +61,9 @@ class StepLogits:
 
     logits: torch.Tensor
     inputs: StepInputs
+    #: ``argmax(logits, rows)``: the rows' fp32 argmax in one kernel call (:meth:`CpuKernels.argmax_rows`), or
+    #: None for torch's
+    argmax: Callable[[torch.Tensor, list[int]], list[int]] | None = None
 
     def sample_row(self, item: int) -> torch.Tensor | None:
         row = self.inputs.sample_rows[item]
@@ -68,6 +72,8 @@ class StepLogits:
     @cached_property
     def _argmax(self) -> dict[int, int]:
         rows = [r for r in self.inputs.sample_rows if r is not None]  # not the prompt-logprob rows
+        if self.argmax is not None:
+            return dict(zip(rows, self.argmax(self.logits, rows)))
         picks = self.logits[rows].to(torch.float32).argmax(dim=-1).tolist() if rows else []
         return dict(zip(rows, picks))
 
@@ -132,6 +138,8 @@ class ModelRunner:
         self.cache = cache
         self.backend = backend
         self.device = device
+        # greedy picks on the CPU kernels where they run the step: torch's argmax over bf16 rows is slow there
+        self.argmax = backend.argmax_rows if isinstance(backend, CpuKernels) and device.type == "cpu" else None
         self.compiled: CompiledModel | None = None
         if compile_model:
             self.compiled = CompiledModel(model)
@@ -187,4 +195,4 @@ class ModelRunner:
         src_dst = sched.block_copies
         self.cache.copy_blocks([s for s, _ in src_dst], [d for _, d in src_dst])
         inp = build_step_inputs(sched, block_size)
-        return StepLogits(self.forward(inp), inp)
+        return StepLogits(self.forward(inp), inp, self.argmax)

@@ -731,6 +731,7 @@ static void attend_item(const AttnArgs& a, int s, int64_t tok0, int64_t ntok, in
 #include "dense_prefill.h"
 #include "amx_prefill.h"
 #include "small_gemm.h"
+#include "argmax_rows.h"
 
 extern "C" int qkv_paged_attention(const AttnArgs* a) {
   const int G = a->num_q_heads / a->cache.num_kv_heads, H = a->cache.num_kv_heads;

@@ -143,14 +143,6 @@ extern "C" int qkv_small_gemm(const SmallGemmArgs* a) {
 
 #else
 
-template <int NB, int32_t DT>
-static void small_gemm_all(const SmallGemmArgs& a, const float* xf, int64_t K8) {
-  const int64_t tiles = a.N / NB;
-#pragma omp parallel for schedule(static) num_threads(a.num_threads) if (a.N * a.K > (1 << 15))
-  for (int64_t t = 0; t < tiles; ++t) small_gemm_tile_all_rows<NB, DT>(a, xf, K8, t * NB);
-  for (int64_t n = tiles * NB; n < a.N; ++n) small_gemm_tile_all_rows<1, DT>(a, xf, K8, n);
-}
-
 extern "C" int qkv_small_gemm(const void*) { return 2; }  // built without AVX2, FMA and F16C: the launcher falls back
 
 #endif
