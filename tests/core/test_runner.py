@@ -16,7 +16,7 @@ from qkv import LLM, SamplingParams
 from qkv.block_pool import BlockPool
 from qkv.kernels.paged import StepMetadata
 from qkv.kv_cache_manager import KVCacheManager
-from qkv.runner import build_step_inputs
+from qkv.runner import StepLogits, build_step_inputs
 from qkv.scheduler import ScheduledSeq, SchedulerOutput
 from qkv.sequence import Sequence
 
@@ -129,3 +129,28 @@ def test_one_metadata_build_and_no_host_sync_per_layer(tiny_dir, monkeypatch, ba
     while engine.has_unfinished_requests():
         engine.step()
     engine.pool.check_no_leaks()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_greedy_picks_come_from_the_cpu_kernel_and_equal_torchs(tiny_dir, backend):
+    """On the CPU kernels the step's greedy tokens come from ``CpuKernels.argmax_rows`` (one call for all its
+    sample rows, never the prompt-logprob rows); elsewhere from torch. Either way they are the fp32 argmax."""
+    llm = LLM(str(tiny_dir("llama")), dtype="float32", num_blocks=64, attention_backend=backend)
+    runner = llm.llm_engine.runner
+    assert (runner.argmax is not None) == (backend == "cpu")
+    mgr = KVCacheManager(BlockPool(16, False), BS, enable_prefix_caching=False)
+    a, c = make_seq("a", [1, 2, 3]), make_seq("c", [4, 5, 6], logprobs=0)
+    assert mgr.allocate_slots(a, 3) and mgr.allocate_slots(c, 3)
+    inp = build_step_inputs(SchedulerOutput([ScheduledSeq(a, 3), ScheduledSeq(c, 3)]), BS)
+    assert inp.sample_rows == [0, 3]  # rows 1 and 2 score c's prompt
+    logits = torch.zeros(4, 37, dtype=torch.bfloat16)
+    logits[0, 36], logits[1, 5], logits[2, 6], logits[3, 9], logits[3, 30] = 1.0, 9.0, 9.0, 2.0, 2.0
+    calls = []
+
+    def counted(x, rows):
+        calls.append(rows)
+        return runner.argmax(x, rows)
+
+    step = StepLogits(logits, inp, counted if runner.argmax is not None else None)
+    assert [step.greedy_token(0), step.greedy_token(1)] == [36, 9]  # c's tie: the first
+    assert calls == ([[0, 3]] if backend == "cpu" else [])
