@@ -493,6 +493,8 @@ class CpuKernels:
             return []
         if min(rows) < 0 or max(rows) >= logits.shape[0]:
             raise ValueError(f"rows must lie in [0, {logits.shape[0]}), got {rows}")
+        if logits.shape[1] == 0:
+            raise ValueError(f"argmax over an empty vocabulary: logits {tuple(logits.shape)}")
         idx = torch.tensor(rows, dtype=torch.int64)
         out = torch.empty(len(rows), dtype=torch.int64)
         args = _ArgmaxArgs(
@@ -505,8 +507,8 @@ class CpuKernels:
             in_dtype=_code(logits, "logits"),
             num_threads=torch.get_num_threads(),
         )
-        if logits.shape[1] == 0 or self._argmax(ctypes.byref(args)) != 0:
-            raise ValueError(f"argmax over an empty vocabulary: logits {tuple(logits.shape)}")
+        if self._argmax(ctypes.byref(args)) != 0:
+            raise RuntimeError("qkv_argmax_rows failed")
         return out.tolist()
 
 

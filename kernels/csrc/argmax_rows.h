@@ -15,11 +15,6 @@ struct ArgmaxArgs {
   int32_t in_dtype, num_threads;
 };
 
-template <int32_t DT>
-static inline float load_one(const void* base, int64_t i) {
-  return load_f32(base, i, DT);
-}
-
 // Index of the first lane of v that is NaN (nan) or equal to m, or -1.
 static inline int first_lane(f32x8 v, float m, bool nan) {
   i32x8 hit = nan ? (i32x8)(v != v) : (i32x8)(v == splat(m));
@@ -49,7 +44,7 @@ static int64_t argmax_row(const void* base, int64_t n) {
   bool any_nan = false;
   for (int l = 0; l < 8; ++l) any_nan |= nan[l] != 0;
   for (int64_t j = i; j < n; ++j) {
-    float v = load_one<DT>(base, j);
+    float v = load_f32(base, j, DT);
     any_nan |= v != v;
     m = std::max(m, v);
   }
@@ -60,7 +55,7 @@ static int64_t argmax_row(const void* base, int64_t n) {
     if (l >= 0) return j + l;
   }
   for (; j < n; ++j) {
-    float v = load_one<DT>(base, j);
+    float v = load_f32(base, j, DT);
     if (any_nan ? v != v : v == m) return j;
   }
   return 0;  // unreachable for n > 0
