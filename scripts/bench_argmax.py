@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 import torch
+from decode_step import warm_engine  # scripts/ is on the path when this script runs
 
-from qkv import LLM, SamplingParams
+from qkv import SamplingParams
 from qkv.eval.latency import random_prompts
 from qkv.eval.machine import cpu_info, write_report
 from qkv.registry import resolve_model
@@ -58,16 +59,7 @@ def main() -> int:
     model, shared = str(resolve_model("smollm2-135m")), None
     sp = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
     for dtype in args.kv_cache_dtypes.split(","):
-        llm = LLM(
-            model,
-            preloaded_model=shared,
-            dtype="bfloat16",
-            kv_cache_memory=1 << 30,
-            enable_prefix_caching=False,
-            max_num_seqs=64,
-            compile_model=True,
-            kv_cache_dtype=dtype,
-        )
+        llm = warm_engine(model, dtype, shared)
         shared = llm.llm_engine.model
         runner = llm.llm_engine.runner
         arms = {"kernel": runner.argmax, "torch": None}
@@ -75,7 +67,6 @@ def main() -> int:
             raise SystemExit("the CPU kernels do not run this engine: nothing to compare")
         report.setdefault("kernel_ms_24x49152_bf16", kernel_ms(runner.argmax))
         vocab = shared.config.vocab_size
-        llm.generate(random_prompts(vocab, 2, 64, 999, {0, 1, 2}), SamplingParams(temperature=0, max_tokens=4))
         for batch in (int(b) for b in args.batches.split(",")):
             prompts = random_prompts(vocab, batch, CONTEXT, 1, {0, 1, 2})
             times: dict[str, list[float]] = {k: [] for k in arms}

@@ -35,6 +35,24 @@ def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
     return time.perf_counter() - t0
 
 
+def warm_engine(model: str, kv_cache_dtype: str, shared=None) -> LLM:
+    """A compiled bf16 engine with a 1 GiB cache, no prefix caching and up to 64 sequences (on ``shared``, a model
+    an earlier engine loaded, if given), compiled and warmed up by a short generate."""
+    llm = LLM(
+        model,
+        preloaded_model=shared,
+        dtype="bfloat16",
+        kv_cache_memory=1 << 30,
+        enable_prefix_caching=False,
+        max_num_seqs=64,
+        compile_model=True,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    vocab = llm.llm_engine.model.config.vocab_size
+    llm.generate(random_prompts(vocab, 2, 64, 999, {0, 1, 2}), SamplingParams(temperature=0, max_tokens=4))
+    return llm
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -51,19 +69,9 @@ def main() -> int:
     }
     model, shared = str(resolve_model(args.model)), None
     for dtype in args.kv_cache_dtypes.split(","):
-        llm = LLM(
-            model,
-            preloaded_model=shared,
-            dtype="bfloat16",
-            kv_cache_memory=1 << 30,
-            enable_prefix_caching=False,
-            max_num_seqs=64,
-            compile_model=True,
-            kv_cache_dtype=dtype,
-        )
+        llm = warm_engine(model, dtype, shared)
         shared = llm.llm_engine.model
         vocab = shared.config.vocab_size
-        llm.generate(random_prompts(vocab, 2, 64, 999, {0, 1, 2}), SamplingParams(temperature=0, max_tokens=4))
         for batch in (int(b) for b in args.batches.split(",")):
             prompts = random_prompts(vocab, batch, args.context, 1, {0, 1, 2})
             long = min(timed(llm, prompts, 1 + STEPS) for _ in range(2))
