@@ -119,6 +119,22 @@ static inline float load_f32(const void* p, int64_t i, int32_t dtype) {
   }
 }
 
+// n values from element i on, each as load_f32 would: the dtype chosen once, so each loop vectorizes.
+static inline void load_row(const void* p, int64_t i, float* v, int n, int32_t dtype) {
+  switch (dtype) {
+    case F32: std::memcpy(v, static_cast<const float*>(p) + i, sizeof(float) * n); break;
+    case BF16: {
+      const uint16_t* q = static_cast<const uint16_t*>(p) + i;
+      for (int d = 0; d < n; ++d) v[d] = bits_f32((uint32_t)q[d] << 16);
+      break;
+    }
+    default: {
+      const uint16_t* q = static_cast<const uint16_t*>(p) + i;
+      for (int d = 0; d < n; ++d) v[d] = f16_to_f32(q[d]);
+    }
+  }
+}
+
 static inline uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN -> 0xffff like torch's vectorized cast
   if (std::isnan(f)) return 0xffff;
   uint32_t b = f32_bits(f);
@@ -135,6 +151,22 @@ static inline void store_f32(void* p, int64_t i, float v, int32_t dtype) {
     case F32: static_cast<float*>(p)[i] = v; break;
     case BF16: static_cast<uint16_t*>(p)[i] = f32_to_bf16(v); break;
     default: static_cast<uint16_t*>(p)[i] = f32_to_f16(v); break;
+  }
+}
+
+// n values stored from element i on, each as store_f32 would: the dtype chosen once, so each loop vectorizes.
+static inline void store_row(void* p, int64_t i, const float* v, int n, int32_t dtype) {
+  switch (dtype) {
+    case F32: std::memcpy(static_cast<float*>(p) + i, v, sizeof(float) * n); break;
+    case BF16: {
+      uint16_t* q = static_cast<uint16_t*>(p) + i;
+      for (int d = 0; d < n; ++d) q[d] = f32_to_bf16(v[d]);
+      break;
+    }
+    default: {
+      uint16_t* q = static_cast<uint16_t*>(p) + i;
+      for (int d = 0; d < n; ++d) q[d] = f32_to_f16(v[d]);
+    }
   }
 }
 
@@ -403,7 +435,7 @@ static void quantize_row_packed(const float* x, float scale, int D, float qmax, 
 static void quantize_row(const float* x, const float* scale, int D, bool per_channel, float qmax,
                          int32_t dtype, void* dst, int64_t off) {
   if (dtype == F32 || dtype == BF16 || dtype == F16) {
-    for (int d = 0; d < D; ++d) store_f32(dst, off + d, x[d], dtype);
+    store_row(dst, off, x, D, dtype);
     return;
   }
   const f32x8 hi = splat(qmax), lo = splat(-qmax);
@@ -424,13 +456,14 @@ static void quantize_row(const float* x, const float* scale, int D, bool per_cha
 extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
   const CacheDesc& c = a->cache;
   const int D = c.head_dim, H = c.num_kv_heads;
+  if (D > 512) return 1;
   // A decode step writes a few tokens: waking a thread team would cost more than the work.
 #pragma omp parallel for schedule(static) num_threads(a->num_threads) if (a->num_tokens >= 64)
   for (int64_t t = 0; t < a->num_tokens; ++t) {
     const int64_t slot = a->slot_mapping[t];
     if (slot < 0) continue;
     const int64_t block = slot / c.block_size, off = slot % c.block_size;
-    std::vector<float> x(D);
+    alignas(64) float x[512];
     for (int kv = 0; kv < 2; ++kv) {
       const void* src = kv == 0 ? a->key : a->value;
       const int64_t st = kv == 0 ? a->stride_kt : a->stride_vt, sh = kv == 0 ? a->stride_kh : a->stride_vh;
@@ -443,8 +476,8 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
                       static_cast<const char*>(src) + (t * st + h * sh) * size, D * size);
           continue;
         }
-        for (int d = 0; d < D; ++d) x[d] = load_f32(src, t * st + h * sh + d, a->in_dtype);
-        if (c.rotate) fwht(x.data(), D, c.rot_norm);
+        load_row(src, t * st + h * sh, x, D, a->in_dtype);
+        if (c.rotate) fwht(x, D, c.rot_norm);
         float dyn = 1.0f;
         const float* scale = &dyn;
         bool per_channel = false;
@@ -466,10 +499,10 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
           per_channel = true;
         }
         if (c.packed)
-          quantize_row_packed(x.data(), dyn, D, c.side_qmax[kv], c.side_dtype[kv], static_cast<uint8_t*>(c.data),
+          quantize_row_packed(x, dyn, D, c.side_qmax[kv], c.side_dtype[kv], static_cast<uint8_t*>(c.data),
                               dst, c.side_hi[kv]);
         else
-          quantize_row(x.data(), scale, D, per_channel, c.qmax, c.dtype, c.data, dst);
+          quantize_row(x, scale, D, per_channel, c.qmax, c.dtype, c.data, dst);
       }
     }
   }
@@ -818,7 +851,7 @@ extern "C" int qkv_gather_kv(const GatherArgs* a) {
         if (chan)
           for (int d = 0; d < D; ++d) row[d] *= chan[(int64_t)h * D + d];
         const int64_t o = (((int64_t)kv * H + h) * L + (j - a->start)) * D;
-        for (int d = 0; d < D; ++d) store_f32(a->out, o + d, row[d], a->out_dtype);
+        store_row(a->out, o, row, D, a->out_dtype);
       }
   }
   return 0;
@@ -838,7 +871,7 @@ extern "C" int qkv_hadamard_rows(const RotateArgs* a) {
     for (int64_t r = 0; r < a->rows; ++r) {
       for (int d = 0; d < D; ++d) x[d] = load_f32(a->in, r * D + d, a->in_dtype);
       fwht(x.data(), D, a->norm);
-      for (int d = 0; d < D; ++d) store_f32(a->out, r * D + d, x[d], a->out_dtype);
+      store_row(a->out, r * D, x.data(), D, a->out_dtype);
     }
   }
   return 0;
