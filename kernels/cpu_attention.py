@@ -217,14 +217,14 @@ def _cache_desc(layer: PagedLayer) -> _CacheDesc:
     kv = layer.kv
     if kv.device.type != "cpu":
         raise ValueError("the cpu attention backend needs the cache on the CPU")
-    if layer.head_dim % 8 or layer.block_size > 64:
+    if layer.head_dim % 8 or layer.head_dim > 512 or layer.block_size > 64:
         raise ValueError(
-            f"the CPU kernels need head_dim % 8 == 0 and block_size <= 64, "
+            f"the CPU kernels need head_dim % 8 == 0, head_dim <= 512 and block_size <= 64, "
             f"got head_dim={layer.head_dim}, block_size={layer.block_size}"
         )
     dt = layer.dt
-    if dt.packed and (layer.head_dim % 16 or layer.head_dim > 512):
-        raise ValueError(f"the CPU kernels need head_dim % 16 == 0 and <= 512 for {dt.name}, got {layer.head_dim}")
+    if dt.packed and layer.head_dim % 16:
+        raise ValueError(f"the CPU kernels need head_dim % 16 == 0 for {dt.name}, got {layer.head_dim}")
     desc = _CacheDesc(
         data=kv.data_ptr(),
         dtype=_code(kv, "kv_cache", tuple(range(7))),

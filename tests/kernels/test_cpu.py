@@ -433,6 +433,9 @@ def test_bad_shapes_name_the_problem(kernels):
         kernels.prepare(layer)
     with pytest.raises(ValueError, match=r"head_dim % 8 == 0"):
         kernels.write(layer, torch.zeros(1, 2, 12), torch.zeros(1, 2, 12), write_step([16]))
+    wide = PagedLayer(torch.zeros(4, 2, BS, 1, 520, dtype=torch.bfloat16), resolve_cache_dtype("bfloat16"))
+    with pytest.raises(ValueError, match=r"head_dim <= 512 and block_size <= 64, got head_dim=520"):
+        kernels.write(wide, torch.zeros(1, 1, 520), torch.zeros(1, 1, 520), write_step([16]))
     cache = torch.zeros(4, 2, BS, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="does not match fp8_e4m3 storage"):
         PagedLayer(cache, dt, torch.ones(2), torch.ones(2))
