@@ -714,7 +714,7 @@ static void attend_item(const AttnArgs& a, int s, int64_t tok0, int64_t ntok, in
     const int64_t tok = tok0 + r / (NH * G), head = (int64_t)h0 * G + r % (NH * G);
     const int kvh = (int)(head / G);
     float* q = qbuf + (size_t)r * D;
-    for (int d = 0; d < D; ++d) q[d] = load_f32(a.query, (q0 + tok) * a.stride_qt + head * a.stride_qh + d, a.q_dtype);
+    load_row(a.query, (q0 + tok) * a.stride_qt + head * a.stride_qh, q, D, a.q_dtype);
     if (c.rotate) {  // (qH).(kH) = q.k; rounded back to the query dtype like the reference
       fwht(q, D, c.rot_norm);
       if (a.q_dtype == BF16)
@@ -869,7 +869,7 @@ extern "C" int qkv_hadamard_rows(const RotateArgs* a) {
     std::vector<float> x(D);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < a->rows; ++r) {
-      for (int d = 0; d < D; ++d) x[d] = load_f32(a->in, r * D + d, a->in_dtype);
+      load_row(a->in, r * D, x.data(), D, a->in_dtype);
       fwht(x.data(), D, a->norm);
       store_row(a->out, r * D, x.data(), D, a->out_dtype);
     }
