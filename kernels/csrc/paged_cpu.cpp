@@ -468,14 +468,19 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
       const void* src = kv == 0 ? a->key : a->value;
       const int64_t st = kv == 0 ? a->stride_kt : a->stride_vt, sh = kv == 0 ? a->stride_kh : a->stride_vh;
       const float* static_scale = kv == 0 ? c.k_scale : c.v_scale;
+      if (!c.rotate && a->in_dtype == c.dtype) {  // same dtype, unquantized: the bytes as they are
+        const int64_t size = c.dtype == F32 ? 4 : 2;
+        char* out = static_cast<char*>(c.data) + row_base(c, block, kv, off, 0) * size;
+        const char* in = static_cast<const char*>(src) + t * st * size;
+        if (sh == D && c.stride_head == D) {  // the token's heads are one run on both sides: one copy
+          std::memcpy(out, in, (size_t)H * D * size);
+        } else {
+          for (int h = 0; h < H; ++h) std::memcpy(out + h * c.stride_head * size, in + h * sh * size, D * size);
+        }
+        continue;
+      }
       for (int h = 0; h < H; ++h) {
         const int64_t dst = row_base(c, block, kv, off, h);
-        if (!c.rotate && a->in_dtype == c.dtype) {  // same dtype, unquantized: the bytes as they are
-          const int64_t size = c.dtype == F32 ? 4 : 2;
-          std::memcpy(static_cast<char*>(c.data) + dst * size,
-                      static_cast<const char*>(src) + (t * st + h * sh) * size, D * size);
-          continue;
-        }
         load_row(src, t * st + h * sh, x, D, a->in_dtype);
         if (c.rotate) fwht(x, D, c.rot_norm);
         float dyn = 1.0f;

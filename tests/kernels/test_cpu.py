@@ -107,19 +107,25 @@ def test_write_bytes_equal_reference(kernels, name, rotate, in_dtype):
             torch.testing.assert_close(layers[1].scale_cache, layers[0].scale_cache, rtol=0, atol=0, equal_nan=True)
 
 
-def test_write_accepts_strided_inputs(kernels):
-    """K and V arrive as views of the fused qkv projection: rows are strided, the last dim is not."""
-    dt = resolve_cache_dtype("fp8_e4m3")
-    fused = torch.randn(20, 2, 3, 32)
+@pytest.mark.parametrize("name", ["fp8_e4m3", "bfloat16"])
+@pytest.mark.parametrize("layout", ["rows strided", "heads strided"])
+def test_write_accepts_strided_inputs(kernels, name, layout):
+    """K and V arrive as views of the fused qkv projection: rows are strided, the last dim is not. A bf16 cache
+    written from bf16 copies a token's heads in one run when they are contiguous, head by head when not."""
+    dt = resolve_cache_dtype(name)
+    fused = torch.randn(20, 2, 3, 64).to(torch.bfloat16 if name == "bfloat16" else torch.float32)
+    kv = (fused[:, 0, :, :32], fused[:, 1, :, 32:]) if layout == "heads strided" else (fused[:, 0], fused[:, 1])
+    dim = kv[0].shape[-1]
     meta = write_step(torch.arange(20) + BS)
     out = []
     for backend in (ref, kernels):
         layer = PagedLayer(
-            torch.zeros(4, 2, BS, 3, 32, dtype=dt.storage), dt, torch.tensor([0.01]), torch.tensor([0.02])
+            torch.zeros(4, 2, BS, 3, dim, dtype=dt.storage), dt, torch.tensor([0.01]), torch.tensor([0.02])
         )
-        backend.write(layer, fused[:, 0], fused[:, 1], meta)
+        backend.write(layer, *kv, meta)
         out.append(bits(layer.kv))
     assert torch.equal(out[0], out[1])
+    assert not torch.equal(out[0][1], torch.zeros_like(out[0][1]))  # block 1 holds the first 16 tokens
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "int8"])
