@@ -21,7 +21,7 @@ from .cpu_build import build_library
 
 __all__ = ["SmallGemm"]
 
-_DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # paged_cpu.cpp's DType
 _i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
 
 
@@ -40,7 +40,8 @@ class _Args(ctypes.Structure):
 
 
 class SmallGemm:
-    """``y = x @ w.T + b`` for ``[M, K]`` rows of a bf16 or fp16 model, through the C++ kernel."""
+    """``y = x @ w.T + b`` for ``[M, K]`` rows of a bf16 or fp16 model (or an fp32 one, for the row invariance of
+    ``--batch-invariant``), through the C++ kernel."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.qkv_small_gemm
@@ -63,7 +64,7 @@ class SmallGemm:
         if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
             raise ValueError(f"small_gemm: x [M, K] and w [N, K] expected, got {list(x.shape)} and {list(w.shape)}")
         if x.dtype not in _DTYPE_CODES or w.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-            raise ValueError(f"small_gemm: bf16 or fp16 operands of one dtype expected, got {x.dtype}, {w.dtype}")
+            raise ValueError(f"small_gemm: bf16, fp16 or fp32 operands of one dtype expected, got {x.dtype}, {w.dtype}")
         if bias is not None and bias.shape != (w.shape[0],):
             raise ValueError(f"small_gemm: bias of shape [{w.shape[0]}] expected, got {list(bias.shape)}")
         if x.device.type != "cpu" or w.device.type != "cpu":

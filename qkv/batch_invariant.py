@@ -16,6 +16,11 @@ are independent and the kernel treats every row position alike (checked by
 with the row-invariant CPU attention (:mod:`qkv.kernels.cpu_attention`) and
 per-row elementwise ops, a request's tokens do not depend on what it is batched
 with. It costs the padding and one call per tile, so it is off by default.
+
+On a CPU, an fp32 model's linears, and a 16-bit model's that multiply in fp32, run
+instead on qkv's few-row kernel (:class:`~qkv.small_linear.KernelLinear`), whose
+order of operations depends on the reduction length alone: row-invariant without
+padding. The tiles stay on top for whatever else calls ``F.linear``.
 """
 
 from __future__ import annotations

@@ -31,7 +31,10 @@ Where the two ways cross depends on the CPU: ``scripts/bench_few_rows.py`` measu
 model object stays shareable with another engine or with ``transformers`` code. Its
 fp32 copies (one per distinct tensor) are built once per model and kept on it, so engines
 sharing a model share them; they cost twice the linear weights' bf16 bytes in memory. Under
-``--batch-invariant`` the plain copies and ``F.linear`` are used, below the fixed-shape tiles.
+``--batch-invariant`` the few-row kernel takes every call (:class:`~qkv.small_linear.KernelLinear`): its
+order of operations depends on K alone, so it is row-invariant without the fixed tiles' padding, which would
+make a one-row decode step multiply 48 rows. Where the kernel cannot be built, the plain copies and
+``F.linear`` are used, below the fixed-shape tiles.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import torch.nn.functional as F
 from .batch_invariant import BatchInvariantLinear
 from .compiled import ONEDNN_ROWS as _ONEDNN_ROWS
 from .compiled import fp32_linear, onednn_product
-from .small_linear import few_rows_linear
+from .small_linear import KernelLinear, few_rows_kernel, few_rows_linear
 from .stacked_linear import StackedLinear
 
 __all__ = [
@@ -244,12 +247,17 @@ def linear_modes(
     """The runner's modes, in the order it enters them: how the linears multiply (``matmul``, see
     :func:`resolve_cpu_matmul`), then the fixed-shape tiles of ``--batch-invariant`` on top, so that every call
     is tiled before the fp32 mode sees it. The tiles intercept ``F.linear``, so under them the packed mode gives
-    way to plain ``F.linear`` in the model's dtype and the fp32 mode uses plain fp32 copies."""
+    way to plain ``F.linear`` in the model's dtype. The fp32 mode, and an fp32 model's own GEMMs, give way to the
+    few-row kernel at every row count, which needs no tiles (:class:`~qkv.small_linear.KernelLinear`); the tiles
+    stay on top for any ``F.linear`` the kernel does not take. Without the kernel, the fp32 mode uses plain fp32
+    copies under the tiles."""
     modes: list[Callable[[], contextlib.AbstractContextManager]] = []
-    if matmul == "float32":
-        mode: contextlib.AbstractContextManager = Fp32Linear(
-            model, min_rows=1 if batch_invariant else MIN_ROWS, onednn=False if batch_invariant else None
-        )
+    exact = _kernel_linears(model, matmul) if batch_invariant else None
+    if exact is not None:
+        mode: contextlib.AbstractContextManager = exact
+        modes.append(lambda: mode)
+    elif matmul == "float32":
+        mode = Fp32Linear(model, min_rows=1 if batch_invariant else MIN_ROWS, onednn=False if batch_invariant else None)
         modes.append(lambda: mode)
     elif matmul == "packed" and not batch_invariant:
         stacked = StackedLinear(model)  # q/k/v and gate/up as one product each; the packed linears take the rest
@@ -258,3 +266,14 @@ def linear_modes(
     if batch_invariant:
         modes.append(BatchInvariantLinear)
     return modes
+
+
+def _kernel_linears(model: torch.nn.Module, matmul: str) -> KernelLinear | None:
+    """``--batch-invariant``'s linears on the few-row kernel, where it computes their arithmetic: a 16-bit model's
+    under the fp32 matmul (exact products, fp32 sums), an fp32 model's on a CPU. Row-invariant by its order of
+    operations, it needs no fixed tiles to pad to. None where the kernel cannot be built or takes nothing."""
+    dtypes = (torch.bfloat16, torch.float16) if matmul == "float32" else (torch.float32,) if matmul == "model" else ()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype in dtypes]
+    linears = [m for m in linears if m.weight.is_cpu]
+    kernel = few_rows_kernel() if linears else None
+    return None if kernel is None else KernelLinear(linears, kernel)

@@ -17,6 +17,10 @@
 // with fused multiply-adds, the lanes are added as ((0+4)+(2+6)) + ((1+5)+(3+7)), then the bias. The order
 // depends on nothing but K, so a row's result is the same whatever M is, whatever rows share the call, and
 // at any thread count (threads split N).
+//
+// fp32 operands take the same loops and order (products then round inside each fused multiply-add): not for
+// speed, but so that --batch-invariant can run an fp32 model's linears with that row invariance and no padding
+// (qkv/small_linear.py's KernelLinear).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -104,6 +108,15 @@ constexpr int64_t SMALL_GEMM_WIDEN_ROWS = 6;
 template <int NB, int32_t DT>
 static inline void small_gemm_tile_all_rows(const SmallGemmArgs& a, const float* xf, int64_t K8, float* wide,
                                             int64_t n0) {
+  if constexpr (DT == F32) {  // fp32 weights: the F32 tile reads rows of K8, so a K of no whole vectors is padded
+    const float* w = static_cast<const float*>(a.w) + n0 * a.K;
+    if (a.K == K8) return small_gemm_tile_rows<NB, F32>(a, xf, K8, w, a.K, n0);
+    for (int j = 0; j < NB; ++j) {
+      std::memcpy(wide + j * K8, w + j * a.K, a.K * sizeof(float));
+      std::fill(wide + j * K8 + a.K, wide + (j + 1) * K8, 0.0f);
+    }
+    return small_gemm_tile_rows<NB, F32>(a, xf, K8, wide, K8, n0);
+  }
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + n0 * a.K;
   if (a.M < SMALL_GEMM_WIDEN_ROWS) return small_gemm_tile_rows<NB, DT>(a, xf, K8, w, a.K, n0);
   for (int j = 0; j < NB; ++j) {
@@ -119,7 +132,7 @@ static void small_gemm_all(const SmallGemmArgs& a, const float* xf, int64_t K8) 
   const int64_t tiles = a.N / NB;
 #pragma omp parallel num_threads(a.num_threads) if (a.N * a.K > (1 << 15))
   {
-    std::vector<float> wide(a.M < SMALL_GEMM_WIDEN_ROWS ? 0 : NB * K8);  // this thread's widened tile
+    std::vector<float> wide(DT != F32 && a.M < SMALL_GEMM_WIDEN_ROWS ? 0 : NB * K8);  // this thread's widened tile
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) small_gemm_tile_all_rows<NB, DT>(a, xf, K8, wide.data(), t * NB);
 #pragma omp single
@@ -128,7 +141,7 @@ static void small_gemm_all(const SmallGemmArgs& a, const float* xf, int64_t K8) 
 }
 
 extern "C" int qkv_small_gemm(const SmallGemmArgs* a) {
-  if (a->M <= 0 || a->N <= 0 || a->K <= 0 || (a->dtype != BF16 && a->dtype != F16)) return 1;
+  if (a->M <= 0 || a->N <= 0 || a->K <= 0 || (a->dtype != BF16 && a->dtype != F16 && a->dtype != F32)) return 1;
   const int64_t K8 = (a->K + 7) / 8 * 8;
   std::vector<float> xf(a->M * K8, 0.0f);  // x widened once (exactly), zero-padded to whole vectors
   for (int64_t m = 0; m < a->M; ++m)
@@ -136,8 +149,10 @@ extern "C" int qkv_small_gemm(const SmallGemmArgs* a) {
   // Four weight rows a tile: 3 x 4 accumulators, three rows of x and one weight vector fill the 16 registers.
   if (a->dtype == BF16)
     small_gemm_all<4, BF16>(*a, xf.data(), K8);
-  else
+  else if (a->dtype == F16)
     small_gemm_all<4, F16>(*a, xf.data(), K8);
+  else
+    small_gemm_all<4, F32>(*a, xf.data(), K8);
   return 0;
 }
 

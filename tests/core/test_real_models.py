@@ -9,9 +9,10 @@ What is asserted is what holds on every x86 CPU (AVX2 only, AVX-512, AVX512-BF16
   CPUs with AVX512-BF16 or AMX (oneDNN blocks the reduction by it), so bf16 identity needs an arithmetic that
   does not: every linear on both sides runs in fixed ``TILE``-row calls (qkv's ``--batch-invariant``, and
   transformers under the same modes, :func:`~qkv.cpu_linear.linear_modes`), which
-  tests/core/test_batch_invariant.py proves shape-invariant. The GEMM inside the tiles is the one the engine's
-  default ``--cpu-matmul-dtype`` picks on this CPU: bf16 where it has 16-bit matrix units, the fp32 upcasts on
-  AVX2 (where a padded 48-row bf16 call per decoded token made this test take 13 minutes at two threads).
+  tests/core/test_batch_invariant.py proves shape-invariant. The GEMM is the one the engine's default
+  ``--cpu-matmul-dtype`` picks on this CPU under ``--batch-invariant``: bf16 in the tiles where it has 16-bit
+  matrix units; on AVX2 the few-row kernel at every row count, row-invariant without tiles (a padded 48-row
+  GEMM per decoded token, on both sides, made this test several times slower there).
   SmolLM2 has no sliding-window layers, so its attention calls have transformers' shapes and variants too.
 * **bf16 on the default path: a bound.** The engine as users run it (fused CPU attention, the default GEMMs,
   prompts batched) picks, at every step, a token whose logit under transformers (teacher-forced on qkv's own
