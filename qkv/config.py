@@ -205,9 +205,9 @@ class EngineConfig:
     seed: int = option(0, "seed of whoever drives the engine (evaluation, calibration)")
     batch_invariant: bool = option(
         False,
-        "fixed-shape GEMM tiles and (on the cpu backend) row-invariant "
-        "attention: a request's tokens do not depend on what it is batched with, how its "
-        "prefill is chunked or prefix-cache hits (slower)",
+        "row-invariant GEMMs (fixed-shape tiles, or on a CPU qkv's few-row kernel where it computes the "
+        "linears' arithmetic) and (on the cpu backend) row-invariant attention: a request's tokens do not "
+        "depend on what it is batched with, how its prefill is chunked or prefix-cache hits (slower)",
     )
     compile_model: bool = option(
         False,

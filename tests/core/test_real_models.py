@@ -83,7 +83,7 @@ def strip_eos(ids, eos):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_smollm2_greedy_matches_transformers(smollm2, dtype):
-    """fp32 as transformers runs it; bf16 with both sides under fixed-shape GEMM tiles (module docstring)."""
+    """fp32 as transformers runs it; bf16 with both sides under --batch-invariant's linears (module docstring)."""
     torch_dtype = getattr(torch, dtype)
     invariant = dtype == "bfloat16"
     ref = hf_generate(smollm2, PROMPTS, 64, torch_dtype, invariant=invariant)
