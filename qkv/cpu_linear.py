@@ -273,7 +273,8 @@ def _kernel_linears(model: torch.nn.Module, matmul: str) -> KernelLinear | None:
     under the fp32 matmul (exact products, fp32 sums), an fp32 model's on a CPU. Row-invariant by its order of
     operations, it needs no fixed tiles to pad to. None where the kernel cannot be built or takes nothing."""
     dtypes = (torch.bfloat16, torch.float16) if matmul == "float32" else (torch.float32,) if matmul == "model" else ()
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype in dtypes]
-    linears = [m for m in linears if m.weight.is_cpu]
+    linears = [
+        m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype in dtypes and m.weight.is_cpu
+    ]
     kernel = few_rows_kernel() if linears else None
     return None if kernel is None else KernelLinear(linears, kernel)

@@ -132,7 +132,9 @@ static void small_gemm_all(const SmallGemmArgs& a, const float* xf, int64_t K8) 
   const int64_t tiles = a.N / NB;
 #pragma omp parallel num_threads(a.num_threads) if (a.N * a.K > (1 << 15))
   {
-    std::vector<float> wide(DT != F32 && a.M < SMALL_GEMM_WIDEN_ROWS ? 0 : NB * K8);  // this thread's widened tile
+    // this thread's widened tile: 16-bit weights from SMALL_GEMM_WIDEN_ROWS rows on, fp32 ones only to pad K
+    const bool widen = DT == F32 ? a.K != K8 : a.M >= SMALL_GEMM_WIDEN_ROWS;
+    std::vector<float> wide(widen ? NB * K8 : 0);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) small_gemm_tile_all_rows<NB, DT>(a, xf, K8, wide.data(), t * NB);
 #pragma omp single
