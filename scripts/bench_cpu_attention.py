@@ -21,7 +21,6 @@ VDPBF16PS), the two builds interleaved the same way.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import subprocess
@@ -36,28 +35,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the kernel tests' scenario builder: a shuffled pool, real writes
 
+from kernel_builds import alternated, build_at  # noqa: E402
 from support.paged import paged_scenario  # noqa: E402
 
 from qkv.eval.machine import cpu_info, write_report  # noqa: E402
 from qkv.kernels.cpu_attention import CpuKernels  # noqa: E402
-from qkv.kernels.cpu_build import _torch_gomp, cxxflags, find_compiler  # noqa: E402
 from qkv.registry import default_cache_dir  # noqa: E402
 
 DTYPES = ("bfloat16", "fp8_e4m3", "int8", "int8_per_token_head", "int4_per_token_head", "k8v4_per_token_head")
 SEQS, CONTEXT, LAYERS, COLD_COPIES = 16, 1050, 30, 60
-
-
-def build_at(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """The kernel sources of commit ``rev`` (kernels/csrc, its headers too), compiled with this checkout's flags
-    (the C interface is the same)."""
-    tree = subprocess.run(
-        ["git", "archive", "--format=tar", rev, "kernels/csrc"], cwd=ROOT, check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(out_dir)], input=tree, check=True)
-    src = out_dir / "kernels" / "csrc" / "paged_cpu.cpp"
-    lib = out_dir / "baseline.so"
-    subprocess.run([find_compiler(), *cxxflags(), str(src), "-o", str(lib), *_torch_gomp()], check=True)
-    return ctypes.CDLL(str(lib))
 
 
 PREFILL_TOKENS = 2048
@@ -84,13 +70,8 @@ def prefill(args: argparse.Namespace, report: dict, tmp: Path) -> None:
         }
         outs = {b: k._tiled(q, kv, PREFILL_TOKENS, None, 0.125) for b, k in builds.items()}
         diff = (outs["head"].float() - outs["baseline"].float()).abs()
-        runs: dict = {b: [] for b in builds}
-        for r in range(args.repeats):
-            for b in list(builds) if r % 2 == 0 else list(builds)[::-1]:
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    builds[b]._tiled(q, kv, PREFILL_TOKENS, None, 0.125)
-                runs[b].append(100 * (time.perf_counter() - t0))
+        calls = {b: lambda k=k: k._tiled(q, kv, PREFILL_TOKENS, None, 0.125) for b, k in builds.items()}
+        runs = alternated(calls, args.repeats, calls=10)
         med = {b: statistics.median(v) for b, v in runs.items()}
         report["results"][kind] = {
             "runs_ms": runs,

@@ -10,18 +10,27 @@ bf16 weights, far more than any cache) once per pass, with random weights, as a 
 * ``fp32``: oneDNN's inner product on reordered fp32 copies (``qkv.cpu_linear.Fp32Linear``'s batched path).
 
 The best of five passes each, interleaved; the JSON records the CPU's flags, the threads and the load average.
+
+``--baseline REV`` times the kernel alone instead, this checkout's build against commit REV's, alternated over
+``--rounds`` rounds at each row count (medians and every round in the JSON), and counts the outputs in which the
+two builds differ (0 for a change that keeps the bits):
+
+    .venv/bin/python scripts/bench_few_rows.py --baseline REV --rows 1,2,4,8,16,48 -o OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from kernel_builds import alternated, build_at
 
 from qkv.eval.machine import cpu_info, write_report
 from qkv.kernels.cpu_gemm import SmallGemm
@@ -41,9 +50,46 @@ def best_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     return 1000 * min(times)
 
 
+def against(
+    kernel: SmallGemm, baseline: SmallGemm, weights: list[torch.Tensor], rows: list[int], rounds: int, gen
+) -> dict:
+    """Both builds over every weight once per pass, alternated (which goes first alternates too)."""
+    report: dict = {
+        "env": {"cpu": cpu_info(), "torch_threads": torch.get_num_threads(), "load_average_before": os.getloadavg()},
+        "weights_mb": sum(w.numel() * 2 for w in weights) / 1e6,
+        "pass_ms": {},
+    }
+    builds = {"this": kernel, "baseline": baseline}
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen).bfloat16() for k in (576, 1536)}
+        differ = sum(
+            int((kernel.linear(xs[w.shape[1]], w, None) != baseline.linear(xs[w.shape[1]], w, None)).sum())
+            for w in weights
+        )
+        passes = {
+            name: lambda k=k, xs=xs: [k.linear(xs[w.shape[1]], w, None) for w in weights] for name, k in builds.items()
+        }
+        runs = alternated(passes, rounds)
+        med = {name: statistics.median(v) for name, v in runs.items()}
+        report["pass_ms"][m] = {
+            "median": med,
+            "runs": runs,
+            "speedup": med["baseline"] / med["this"],
+            "outputs_differing": differ,
+        }
+        print(
+            f"{m} rows: this {med['this']:.2f} ms, baseline {med['baseline']:.2f} ms, "
+            f"{med['baseline'] / med['this']:.3f}x, {differ} outputs differ",
+            flush=True,
+        )
+    return report
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,3,4,6,8")
+    ap.add_argument("--baseline", help="time this checkout's kernel against commit BASELINE's, alternated")
+    ap.add_argument("--rounds", type=int, default=8, help="alternated rounds per row count with --baseline")
     ap.add_argument("-o", "--output", type=Path, required=True)
     args = ap.parse_args()
     kernel = SmallGemm.build(default_cache_dir() / "kernels")
@@ -51,6 +97,13 @@ def main() -> int:
         raise SystemExit("the few-row kernel did not build on this machine")
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=gen) * 0.05).bfloat16() for n, k in SHAPES]
+    if args.baseline:
+        with tempfile.TemporaryDirectory() as tmp:
+            baseline = SmallGemm(build_at(args.baseline, Path(tmp)))
+            report = against(kernel, baseline, weights, [int(r) for r in args.rows.split(",")], args.rounds, gen)
+        report["baseline"] = args.baseline
+        write_report(report, args.output)
+        return 0
     packed = [torch.ops.mkldnn._reorder_linear_weight(w.float(), 16) for w in weights]
     report: dict = {
         "env": {"cpu": cpu_info(), "torch_threads": torch.get_num_threads(), "load_average_before": os.getloadavg()},

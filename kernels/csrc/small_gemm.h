@@ -12,6 +12,12 @@
 // ahead of oneDNN's fp32 inner product on the copies to about a hundred rows, where batched decode steps
 // live (scripts/bench_few_rows.py measures where they cross).
 //
+// Prefetch: a tile reads NB weight rows side by side, a few cache lines each (1,152 bytes for K = 576), so the
+// hardware prefetcher sees NB short streams that end before it has ramped up, and a one-row call ran at about
+// half the machine's read bandwidth. So below SMALL_GEMM_WIDEN_ROWS rows each tile prefetches the next tile's
+// bytes, in memory order, while it multiplies; the order of arithmetic does not change. From there on the
+// product is the bound, and the same prefetch in the widening pass measured within the noise.
+//
 // Arithmetic: the exact fp32 products of the 16-bit operands, summed in fp32 and rounded once to the model's
 // dtype, what torch's 16-bit kernels compute, in this fixed order: lane l of eight accumulates k = l, l + 8, ...
 // with fused multiply-adds, the lanes are added as ((0+4)+(2+6)) + ((1+5)+(3+7)), then the bias. The order
@@ -52,9 +58,11 @@ static inline float lane_sum(__m256 v) {  // ((0+4)+(2+6)) + ((1+5)+(3+7))
 
 // NB weight rows (w, of type DT, row stride ldw elements; rows n0 .. n0 + NB of the layer) against MR rows of the
 // fp32 x (xf, row stride K8, zero-padded to K8).
-template <int MR, int NB, int32_t DT>
+// PF: prefetch `next` (a template argument, so that the loops without it compile as they did: three rows of x
+// leave no register to spare).
+template <int MR, int NB, int32_t DT, bool PF = false>
 static inline void small_gemm_tile(const SmallGemmArgs& a, const float* xf, int64_t K8, int64_t m0, const void* w,
-                                   int64_t ldw, int64_t n0) {
+                                   int64_t ldw, int64_t n0, const char* next = nullptr) {
   using W = std::conditional_t<DT == F32, float, uint16_t>;
   const W* wt = static_cast<const W*>(w);
   __m256 acc[MR][NB];
@@ -62,6 +70,10 @@ static inline void small_gemm_tile(const SmallGemmArgs& a, const float* xf, int6
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
   const int64_t K = a.K, full = DT == F32 ? K8 : K / 8 * 8;  // a widened tile is zero-padded to K8
   for (int64_t k = 0; k < full; k += 8) {
+    if constexpr (PF) {  // the next tile's NB rows of 16-bit weights, in step: 16 * NB bytes per 8 columns of this one
+      constexpr int LINES = NB * 16 / 64 > 0 ? NB * 16 / 64 : 1;
+      for (int l = 0; l < LINES; ++l) __builtin_prefetch(next + k * 2 * NB + 64 * l);
+    }
     __m256 xv[MR];
     for (int m = 0; m < MR; ++m) {
       xv[m] = _mm256_loadu_ps(xf + (m0 + m) * K8 + k);
@@ -92,8 +104,14 @@ static inline void small_gemm_tile(const SmallGemmArgs& a, const float* xf, int6
 
 template <int NB, int32_t DT>
 static inline void small_gemm_tile_rows(const SmallGemmArgs& a, const float* xf, int64_t K8, const void* w,
-                                        int64_t ldw, int64_t n0) {
+                                        int64_t ldw, int64_t n0, const char* next = nullptr) {
   int64_t m0 = 0;
+  if (next) {  // the first group prefetches the next tile; the others find this one in L1
+    if (a.M == 1) return small_gemm_tile<1, NB, DT, true>(a, xf, K8, 0, w, ldw, n0, next);
+    if (a.M == 2) return small_gemm_tile<2, NB, DT, true>(a, xf, K8, 0, w, ldw, n0, next);
+    small_gemm_tile<3, NB, DT, true>(a, xf, K8, 0, w, ldw, n0, next);
+    m0 = 3;
+  }
   for (; m0 + 3 <= a.M; m0 += 3) small_gemm_tile<3, NB, DT>(a, xf, K8, m0, w, ldw, n0);
   for (; m0 + 2 <= a.M; m0 += 2) small_gemm_tile<2, NB, DT>(a, xf, K8, m0, w, ldw, n0);
   if (m0 < a.M) small_gemm_tile<1, NB, DT>(a, xf, K8, m0, w, ldw, n0);
@@ -118,7 +136,10 @@ static inline void small_gemm_tile_all_rows(const SmallGemmArgs& a, const float*
     return small_gemm_tile_rows<NB, F32>(a, xf, K8, wide, K8, n0);
   }
   const uint16_t* w = static_cast<const uint16_t*>(a.w) + n0 * a.K;
-  if (a.M < SMALL_GEMM_WIDEN_ROWS) return small_gemm_tile_rows<NB, DT>(a, xf, K8, w, a.K, n0);
+  if (a.M < SMALL_GEMM_WIDEN_ROWS) {  // bound by the read: prefetch the next tile (none past the last)
+    const char* next = n0 + 2 * NB <= a.N ? reinterpret_cast<const char*>(w + NB * a.K) : nullptr;
+    return small_gemm_tile_rows<NB, DT>(a, xf, K8, w, a.K, n0, next);
+  }
   for (int j = 0; j < NB; ++j) {
     int64_t k = 0;
     for (; k + 8 <= a.K; k += 8) _mm256_storeu_ps(wide + j * K8 + k, widen8<DT>(w + j * a.K + k));
