@@ -13,7 +13,8 @@ The best of five passes each, interleaved; the JSON records the CPU's flags, the
 
 ``--baseline REV`` times the kernel alone instead, this checkout's build against commit REV's, alternated over
 ``--rounds`` rounds at each row count (medians and every round in the JSON), and counts the outputs in which the
-two builds differ (0 for a change that keeps the bits):
+two builds differ (0 for a change that keeps the bits); then each build's read rate on one large one-row call,
+beside torch's fp32 ``sum``:
 
     .venv/bin/python scripts/bench_few_rows.py --baseline REV --rows 1,2,4,8,16,48 -o OUT.json
 """
@@ -82,7 +83,29 @@ def against(
             f"{med['baseline'] / med['this']:.3f}x, {differ} outputs differ",
             flush=True,
         )
+    report["read_gb_s"] = read_rates(builds, gen)
     return report
+
+
+def read_rates(builds: dict[str, SmallGemm], gen: torch.Generator) -> dict:
+    """GB/s of one one-row call on a 453 MB weight, per build and thread count, beside what torch's fp32 ``sum``
+    reads from a 256 MB tensor: how near the kernel comes to the machine's read bandwidth without the fixed
+    cost of many calls. The better of three each."""
+    w = (torch.randn(8 * 49152, 576, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(1, 576, generator=gen).bfloat16()
+    f = torch.ones(64 << 20)
+    saved, rates = torch.get_num_threads(), {}
+    fns = {name: (lambda k=k: k.linear(x, w, None), w.numel() * 2) for name, k in builds.items()}
+    fns["torch_fp32_sum"] = (f.sum, f.numel() * 4)
+    for threads in sorted({1, saved}):
+        torch.set_num_threads(threads)
+        for name, (fn, nbytes) in fns.items():
+            fn()
+            best = min(alternated({name: fn}, 3)[name])
+            rates.setdefault(name, {})[threads] = nbytes / best / 1e6
+    torch.set_num_threads(saved)
+    print("read GB/s:", {n: {t: round(v, 1) for t, v in r.items()} for n, r in rates.items()}, flush=True)
+    return rates
 
 
 def main() -> int:
