@@ -11,14 +11,15 @@ compressed-tensors granularities, or ``[num_kv_heads, head_dim]`` for qkv's
 per-channel extension (``channel``: the K scale is folded into the query and the
 V scale into the output at attention time).
 
-4-bit modes (``int4_per_token_head``, vLLM's name; ``k8v4_per_token_head``, a qkv extension with K in
-int8): symmetric int4 in ``[-7, 7]`` (-8 unused, like int8's -128), one fp32 scale per token and kv head,
-two values a byte. Byte ``j`` of a packed row holds channel ``j`` in its low nibble and channel
-``j + D/2`` in its high nibble (two's complement): the low and high halves of a row are then two
-contiguous runs of ``D/2`` values, so a kernel unpacks a tile with a mask and a shift, no shuffle. The layout
-of such a cache is in :mod:`.paged`. A dynamic scale may be *clipped*: ``scale = amax / qmax * clip`` with a
-per-layer ratio ``clip <= 1`` chosen by ``qkv calibrate`` (1.0, vLLM's rule, when uncalibrated); values past
-the clipped range saturate.
+4-bit modes (``int4_per_token_head``, vLLM's name and size, not its grid: vLLM 0.32 quantizes
+asymmetrically, 16 levels over each row's [min, max] after a randomized Hadamard transform;
+``k8v4_per_token_head``, a qkv extension with K in int8): symmetric int4 in ``[-7, 7]`` (-8 unused, like
+int8's -128), one fp32 scale per token and kv head, two values a byte. Byte ``j`` of a packed row holds
+channel ``j`` in its low nibble and channel ``j + D/2`` in its high nibble (two's complement): the low and
+high halves of a row are then two contiguous runs of ``D/2`` values, so a kernel unpacks a tile with a mask
+and a shift, no shuffle. The layout of such a cache is in :mod:`.paged`. A dynamic scale may be *clipped*:
+``scale = amax / qmax * clip`` with a per-layer ratio ``clip <= 1`` chosen by ``qkv calibrate`` (1.0, the
+plain absmax rule, when uncalibrated); values past the clipped range saturate.
 
 Rotation (qkv extension, ``--kv-rotation hadamard``): K and V are multiplied by
 the orthonormal Hadamard matrix ``H`` of size ``head_dim`` before they are
