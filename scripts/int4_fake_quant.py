@@ -117,7 +117,9 @@ ASYM_RULES = [
     Rule("int4 rht asym", grid="asym", rht=True),
     Rule("int4 rht", rht=True),
 ]
-SETS = {"int4": RULES, "k8v4": K8V4_RULES, "asym": ASYM_RULES}
+# the three V grids of k8v4 at calibration's ratio, to repeat on other windows
+GRID_RULES = [K8V4_RULES[1], K8V4_RULES[9], ASYM_RULES[0]]
+SETS = {"int4": RULES, "k8v4": K8V4_RULES, "asym": ASYM_RULES, "grids": GRID_RULES}
 
 
 def asym_grid(x: torch.Tensor) -> torch.Tensor:
@@ -259,6 +261,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--first-window", type=int, default=0, help="skip this many windows of the test split")
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--center-samples", type=int, default=16, help="validation windows of 512 for K's mean")
     ap.add_argument("--set", default="int4", help=f"which rules to run, comma-separated: {', '.join(SETS)}")
@@ -278,7 +281,8 @@ def main() -> None:
         return torch.tensor(tok(load_text(split).text, add_special_tokens=False)["input_ids"])
 
     test = ids("wikitext")
-    windows = [test[i * args.window : (i + 1) * args.window] for i in range(args.windows)]
+    first = args.first_window
+    windows = [test[i * args.window : (i + 1) * args.window] for i in range(first, first + args.windows)]
     valid_file = wikitext_valid_file()
     if valid_file is None:
         raise SystemExit("WikiText-2's validation split is not found (K's mean is taken over it)")
@@ -306,7 +310,7 @@ def main() -> None:
     report = {
         "model": args.model,
         "set": args.set,
-        "windows": f"first {args.windows} x {args.window} WikiText-2 test tokens, no BOS, fp32",
+        "windows": f"{args.windows} x {args.window} WikiText-2 test tokens from window {first}, no BOS, fp32",
         "k_mean": f"{args.center_samples} x 512 WikiText-2 validation tokens",
         "base_ppl": base,
         "rows": rows,
