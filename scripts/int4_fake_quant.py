@@ -31,6 +31,7 @@ call the product's rule (``qkv.kernels.quant``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -118,7 +119,9 @@ ASYM_RULES = [
     Rule("int4 rht", rht=True),
 ]
 # the three V grids of k8v4 at calibration's ratio, to repeat on other windows
-GRID_RULES = [K8V4_RULES[1], K8V4_RULES[9], ASYM_RULES[0]]
+GRID_RULES = [
+    r for r in K8V4_RULES + ASYM_RULES if r.name in ("k8v4 rotated clip", "k8v4 rotated signed", "k8v4 rotated asym")
+]
 SETS = {"int4": RULES, "k8v4": K8V4_RULES, "asym": ASYM_RULES, "grids": GRID_RULES}
 
 
@@ -148,16 +151,13 @@ def signed_grid(x: torch.Tensor, clip: float) -> torch.Tensor:
 
 def per_token_search(x: torch.Tensor, quant) -> torch.Tensor:
     """Each row's round trip by the ratio of :data:`SEARCH_RATIOS` with the least squared error."""
-    best, err = None, None
-    for r in SEARCH_RATIOS:
+    best = quant(x, SEARCH_RATIOS[0])
+    err = ((best - x) ** 2).sum(-1, keepdim=True)
+    for r in SEARCH_RATIOS[1:]:
         y = quant(x, r)
         e = ((y - x) ** 2).sum(-1, keepdim=True)
-        if best is None or err is None:
-            best, err = y, e
-        else:
-            better = e < err
-            best, err = torch.where(better, y, best), torch.where(better, e, err)
-    assert best is not None
+        better = e < err
+        best, err = torch.where(better, y, best), torch.where(better, e, err)
     return best
 
 
@@ -175,25 +175,25 @@ def fake_quant(x: torch.Tensor, side: int, rule: Rule) -> torch.Tensor:
     shape = x.shape
     if rule.group:
         x = x.reshape(*shape[:-1], shape[-1] // rule.group, rule.group)
+
+    def uniform(t: torch.Tensor, r: float) -> torch.Tensor:
+        scale = dynamic_scales(t, dt, side, r)
+        return dequantize(quantize(t, scale, dt, side), scale, dt, torch.float32)
+
     if bits == 4 and rule.nf4:
         s = x.abs().amax(-1, keepdim=True).clamp(min=DYNAMIC_SCALE_FLOOR) * clip
         y = NF4[((x / s).clamp(-1, 1)[..., None] - NF4).abs().argmin(-1)] * s
     elif bits == 4 and rule.grid == "asym":
         y = asym_grid(x)
-    elif bits == 4 and rule.grid != "uniform":
-
-        def uniform(t: torch.Tensor, r: float) -> torch.Tensor:
-            scale = dynamic_scales(t, dt, side, r)
-            return dequantize(quantize(t, scale, dt, side), scale, dt, torch.float32)
-
+    elif bits == 4:
         quant = signed_grid if rule.grid.startswith("signed") else uniform
         y = per_token_search(x, quant) if rule.grid.endswith("search") else quant(x, clip)
     else:
-        scale = dynamic_scales(x, dt, side, clip)
-        y = dequantize(quantize(x, scale, dt, side), scale, dt, torch.float32)
+        y = uniform(x, clip)
     return y.reshape(shape)
 
 
+@functools.cache
 def rht_signs(d: int) -> torch.Tensor:
     """A fixed random +-1 vector (the D of a randomized Hadamard transform ``H D``)."""
     gen = torch.Generator().manual_seed(0)
@@ -235,23 +235,24 @@ class Hook:
         return sdpa_attention_forward(module, q, k, v, mask, **kw)
 
 
-def score(model, windows: list[torch.Tensor], base: list[torch.Tensor] | None = None) -> tuple[float, float, float]:
+def score(
+    model, windows: list[torch.Tensor], base: list[torch.Tensor] | None = None, keep: list[torch.Tensor] | None = None
+) -> tuple[float, float, float]:
     """Perplexity over ``windows``, and the mean and largest per-token KL(base || this) against the
-    unquantized log-probabilities ``base``, which are collected into ``base`` when it is an empty list.
+    unquantized log-probabilities ``base`` (0.0 without them); ``keep`` collects this run's log-probabilities.
 
     KL ranks rules more steadily than a ppl change of a few tenths, whose sign follows how the rounding
     errors fall on the few tokens that dominate the NLL.
     """
-    collect = base is not None and not base
     nll, n, kl_sum, kl_max = 0.0, 0, 0.0, 0.0
     with torch.no_grad():
         for i, x in enumerate(windows):
             logp = torch.log_softmax(model(x[None]).logits[0, :-1].float(), dim=-1)
             nll -= float(logp.gather(-1, x[1:, None]).sum())
             n += len(x) - 1
-            if collect:
-                base.append(logp)  # type: ignore[union-attr]
-            elif base:
+            if keep is not None:
+                keep.append(logp)
+            if base is not None:
                 kl = (base[i].exp() * (base[i] - logp)).sum(-1)
                 kl_sum, kl_max = kl_sum + float(kl.sum()), max(kl_max, float(kl.max()))
     return math.exp(nll / n), kl_sum / n, kl_max
@@ -295,7 +296,7 @@ def main() -> None:
     hook.collect = None
 
     base_logp: list[torch.Tensor] = []
-    base, _, _ = score(model, windows, base_logp)
+    base, _, _ = score(model, windows, keep=base_logp)
     print(f"{'no quantization':32s} ppl {base:.4f}", flush=True)
     rows = []
     for rule in [r for name in args.set.split(",") for r in SETS[name]]:
