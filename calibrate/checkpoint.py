@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from qkv.kernels.quant import INT4_GRID
 from qkv.model_loader import COMPENSATION_KEY
 from qkv.scales import QKV_SCALES_FILE, QKV_SECTION
 
@@ -178,9 +179,10 @@ def qkv_section(cal: Calibration, scales_file: str) -> dict:
         "scales_file": scales_file,
         "scale_dtype": "float32",
         "scale_convention": scale_convention(cal) + ("; on Hadamard-rotated K/V" if cal.rotation else ""),
-        "format_version": 3,
+        "format_version": 4,
         "vllm_readable": vllm_readable(cal),
         "calibration": CALIBRATION_FILE,
+        **_grid(cal),
     }
 
 
@@ -231,7 +233,13 @@ def _file_meta(cal: Calibration) -> dict[str, str]:
         "rotation": cal.rotation or "none",
         "skip_layers": ",".join(map(str, cal.skip_layers or [])),
         "scale_convention": scale_convention(cal),
+        **_grid(cal),
     }
+
+
+def _grid(cal: Calibration) -> dict[str, str]:
+    """A 4-bit mode's grid, which its clipping ratios were chosen for (the engine refuses ratios without it)."""
+    return {"int4_grid": INT4_GRID} if cal.kv_dtype.packed else {}
 
 
 def vllm_note(cal: Calibration) -> str:

@@ -1,6 +1,6 @@
 """Clipping ratios for the per-token 4-bit caches (``int4_per_token_head``, ``k8v4_per_token_head``).
 
-Why: a per-token scale ``amax / qmax`` spends int4's 15 levels on the row's single largest value; most of a
+Why: a per-token scale ``amax / qmax`` spends int4's 16 levels on the row's single largest value; most of a
 row is small, so the round trip of everything else is coarse. Shrinking the range by a ratio ``r < 1``
 saturates the few values past ``r * amax`` and halves the error of the rest where ``r`` is well chosen. The
 right ratio depends on the layer's distribution (and on rotation, which flattens it), so it is calibrated:
@@ -9,7 +9,7 @@ computed with the cache's own quantizer, has the least squared error over the ca
 rule) is a candidate and ties go to the larger ratio, so the choice never does worse than no clipping on
 the calibration set. Errors are accumulated while the samples stream through the engine: no tensor is kept.
 
-The engine applies the ratios as ``scale = amax / qmax * r`` (:func:`qkv.kernels.quant.dynamic_scales`);
+The engine applies the ratios as ``|scale| = amax / qmax * r`` (:func:`qkv.kernels.quant.dynamic_scales`);
 they travel in the checkpoint as ``self_attn.k_clip`` / ``v_clip`` (calibrate/FORMAT.md).
 """
 

@@ -102,7 +102,8 @@ def scale_convention(cal: Calibration) -> str:
         qmax = "/".join(f"{dt.side_qmax(kv):g}" for kv in (0, 1)) if dt.side_qmax(0) != dt.side_qmax(1) else None
         q = f"{qmax} (K/V)" if qmax else f"{dt.side_qmax(0):g}"
         basis = "; on centred, smoothed K (k_mean, k_smooth)" if cal.bases else ""
-        return f"q = x / scale; scale = amax(token, head) / {q} * clip (clip per layer and side){basis}"
+        signed = "; an int4 side's scale is negative where its largest-magnitude value is positive (codes [-8, 7])"
+        return f"q = x / scale; |scale| = amax(token, head) / {q} * clip (clip per layer and side){signed}{basis}"
     return f"q = x / scale; scale = amax / {dt.qmax:g}"
 
 

@@ -13,12 +13,15 @@ V scale into the output at attention time).
 
 4-bit modes (``int4_per_token_head``, vLLM's name and size, not its grid: vLLM 0.32 quantizes
 asymmetrically, 16 levels over each row's [min, max] after a randomized Hadamard transform;
-``k8v4_per_token_head``, a qkv extension with K in int8): symmetric int4 in ``[-7, 7]`` (-8 unused, like
-int8's -128), one fp32 scale per token and kv head, two values a byte. Byte ``j`` of a packed row holds
+``k8v4_per_token_head``, a qkv extension with K in int8): one fp32 scale per token and kv head, two values
+a byte. An int4 side uses llama.cpp q4_0's *signed* grid: all 16 codes ``[-8, 7]``, and the scale carries
+the sign of the row's largest-magnitude value, so that value lands on code -8 (``scale = -amax / 8`` when
+it is positive, ``+amax / 8`` when negative). Against a symmetric ``[-7, 7]`` grid this is one more level
+at the same bytes, and the read side is unchanged: ``x ~= code * scale``. Byte ``j`` of a packed row holds
 channel ``j`` in its low nibble and channel ``j + D/2`` in its high nibble (two's complement): the low and
 high halves of a row are then two contiguous runs of ``D/2`` values, so a kernel unpacks a tile with a mask
 and a shift, no shuffle. The layout of such a cache is in :mod:`.paged`. A dynamic scale may be *clipped*:
-``scale = amax / qmax * clip`` with a per-layer ratio ``clip <= 1`` chosen by ``qkv calibrate`` (1.0, the
+``|scale| = amax / qmax * clip`` with a per-layer ratio ``clip <= 1`` chosen by ``qkv calibrate`` (1.0, the
 plain absmax rule, when uncalibrated); values past the clipped range saturate.
 
 Rotation (qkv extension, ``--kv-rotation hadamard``): K and V are multiplied by
@@ -48,6 +51,7 @@ __all__ = [
     "dequantize",
     "dynamic_scales",
     "DYNAMIC_SCALE_FLOOR",
+    "INT4_GRID",
     "PACKED_CACHE_DTYPES",
     "pack_int4",
     "unpack_int4",
@@ -59,7 +63,11 @@ __all__ = [
 
 ROTATIONS = ("none", "hadamard")
 
-# Smallest dynamic scale: an all-zero (token, head) row gets this scale, so
+# How an int4 side's codes are placed; checkpoints of clipping ratios record it, since a ratio is chosen for
+# one grid ("signed": q4_0's [-8, 7] with the scale's sign picking the side; qkv before it: symmetric [-7, 7]).
+INT4_GRID = "signed"
+
+# Smallest dynamic scale magnitude: an all-zero (token, head) row gets this scale, so
 # quantization never divides by zero and the row still decodes to exact zeros.
 DYNAMIC_SCALE_FLOOR = 1e-8
 
@@ -102,8 +110,13 @@ class CacheDtype:
         return (self.k_bits, self.v_bits)[kv]
 
     def side_qmax(self, kv: int) -> float:
-        """The largest code of K (``kv`` 0) or V (1): 7 for an int4 side."""
-        return 7.0 if self.side_bits(kv) == 4 else self.qmax
+        """The largest code magnitude of K (``kv`` 0) or V (1), which a dynamic scale divides the row's absmax
+        by: 8 for an int4 side (its signed grid's -8)."""
+        return 8.0 if self.side_bits(kv) == 4 else self.qmax
+
+    def side_codes(self, kv: int) -> tuple[float, float]:
+        """The codes K (``kv`` 0) or V (1) clamps to: ``[-8, 7]`` for an int4 side, else ``[-qmax, qmax]``."""
+        return (-8.0, 7.0) if self.side_bits(kv) == 4 else (-self.qmax, self.qmax)
 
     @property
     def planes(self) -> int:
@@ -257,8 +270,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dt: CacheDtype, kv: int = 0) 
         return x.to(dt.storage)
     y = x.to(torch.float32) / _scale_view(scale, dt)
     if dt.kind == "int":
-        qmax = dt.side_qmax(kv)
-        return torch.round(y).clamp_(-qmax, qmax).to(torch.int8)
+        lo, hi = dt.side_codes(kv)
+        return torch.round(y).clamp_(lo, hi).to(torch.int8)
     # NaN inputs stay NaN; finite values saturate like __NV_SATFINITE.
     return y.clamp(-dt.qmax, dt.qmax).to(dt.storage)
 
@@ -274,13 +287,20 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor | None, dt: CacheDtype, out_
 def dynamic_scales(x: torch.Tensor, dt: CacheDtype, kv: int = 0, clip: float = 1.0) -> torch.Tensor:
     """Per-(token, head) scales for the dynamic modes: ``amax(|x|, dim=-1) / qmax * clip``, floored.
 
-    Every step is one fp32 operation in this order (the kernels repeat it); ``clip`` 1.0 changes no bit.
+    Every step is one fp32 operation in this order (the kernels repeat it); ``clip`` 1.0 changes no bit. An
+    int4 side's scale is negated when the row's largest value is its absmax (``max(x) == amax``: a zero row
+    too), so that the largest-magnitude value takes code -8 of the signed grid. The test is an equality of
+    two maxima, not an argmax, so no back end depends on how it breaks ties.
     """
-    amax = x.to(torch.float32).abs().amax(dim=-1)
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=-1)
     scale = amax / dt.side_qmax(kv)
     if clip != 1.0:
         scale = scale * torch.tensor(clip, dtype=torch.float32)
-    return torch.clamp(scale, min=DYNAMIC_SCALE_FLOOR)
+    scale = torch.clamp(scale, min=DYNAMIC_SCALE_FLOOR)
+    if dt.side_bits(kv) == 4:
+        scale = torch.where(xf.amax(dim=-1) == amax, -scale, scale)
+    return scale
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

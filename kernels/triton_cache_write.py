@@ -119,11 +119,12 @@ def _store_side(
     BLOCK_D: tl.constexpr,
     stride_ch,
 ):
-    """One side of a packed cache: codes clamped to +-QMAX, stored as an int4 plane or two int8 half-row planes
-    (channels ``[D/2, D)`` ``hi_off`` bytes after the row)."""
+    """One side of a packed cache: codes clamped to ``[-QMAX, QMAX]`` (int8) or the signed grid ``[-8, 7]``
+    (int4, ``QMAX`` 8), stored as an int4 plane or two int8 half-row planes (channels ``[D/2, D)`` ``hi_off``
+    bytes after the row)."""
     y = tl.math.div_rn(x, scale)
     y = tl.maximum(y, -QMAX, propagate_nan=tl.PropagateNan.ALL)
-    y = tl.minimum(y, QMAX, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.minimum(y, QMAX - 1.0 if INT4 else QMAX, propagate_nan=tl.PropagateNan.ALL)
     q = tl.where(y != y, 0.0, rint(y)).to(tl.int32)  # NaN -> 0, as torch on CPU
     if INT4:
         half = tl.arange(0, BLOCK_D // 2)
@@ -204,13 +205,16 @@ def _write_kv_kernel(
         v_scale = k_scale
     elif DYNAMIC:
         # amax(|x|) / qmax * clip, floored; stored beside the block (a clip of 1.0 multiplies exactly)
-        k_scale = tl.maximum(
-            tl.math.div_rn(tl.max(tl.abs(k), axis=1), tl.full((BLOCK_H,), QMAX, tl.float32)) * k_clip, DYNAMIC_FLOOR
-        )
-        v_scale = tl.maximum(
-            tl.math.div_rn(tl.max(tl.abs(v), axis=1), tl.full((BLOCK_H,), V_QMAX, tl.float32)) * v_clip,
-            DYNAMIC_FLOOR,
-        )
+        k_amax = tl.max(tl.abs(k), axis=1)
+        v_amax = tl.max(tl.abs(v), axis=1)
+        k_scale = tl.maximum(tl.math.div_rn(k_amax, tl.full((BLOCK_H,), QMAX, tl.float32)) * k_clip, DYNAMIC_FLOOR)
+        v_scale = tl.maximum(tl.math.div_rn(v_amax, tl.full((BLOCK_H,), V_QMAX, tl.float32)) * v_clip, DYNAMIC_FLOOR)
+        # an int4 side's signed grid: a positive extreme (or a zero row) takes code -8, so its scale flips;
+        # padded channels load 0, which equals amax only in a zero row, as the reference's max does
+        if PACKED:
+            v_scale = tl.where(tl.max(v, axis=1) == v_amax, -v_scale, v_scale)
+            if K_INT4:
+                k_scale = tl.where(tl.max(k, axis=1) == k_amax, -k_scale, k_scale)
         s_base = scale_cache_ptr + block * stride_sb + offset * stride_ss + h
         tl.store(s_base, k_scale, mask=h_ok)
         tl.store(s_base + stride_skv, v_scale, mask=h_ok)

@@ -1,6 +1,6 @@
 """A calibrated change of basis for K (centred, then smoothed against Q) before a per-token 4-bit cache.
 
-Why: a per-token scale spends int4's 15 levels on the row's largest value. After RoPE, K of a small model
+Why: a per-token scale spends int4's 16 levels on the row's largest value. After RoPE, K of a small model
 carries a large static offset in a few channels (the same for every token) and channels whose spread differs
 by an order of magnitude, so most of each row is coarse. Two changes that leave attention unchanged in exact
 arithmetic move the rounding error to where it matters less:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .kernels.quant import ROTATIONS
+from .kernels.quant import INT4_GRID, ROTATIONS
 from .key_basis import KeyBasis
 from .kv_cache import LayerSpec
 
@@ -326,6 +326,12 @@ def _load_clips(model_path: Path, kv_scales: str | None, name: str) -> KVScales 
         raise ValueError(
             f"--kv-scales {kv_scales} holds {have}; --kv-cache-dtype {name} computes its scales per token and reads "
             f"only clipping ratios calibrated for it (`qkv calibrate --kv-cache-dtype {name}`)"
+        )
+    if found and scales is not None and scales.meta.get("int4_grid") != INT4_GRID:
+        raise ValueError(
+            f"{scales.source}: its clipping ratios for {name} were chosen for qkv's earlier symmetric int4 grid "
+            f"([-7, 7]; the checkpoint has no int4_grid: {INT4_GRID}); the cache now uses the signed grid [-8, 7], "
+            f"so recalibrate: `qkv calibrate --kv-cache-dtype {name}`"
         )
     return scales if found else None
 

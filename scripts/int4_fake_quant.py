@@ -72,7 +72,8 @@ class Rule:
     group: int = 0  # channels per scale; 0: one scale per token and head
     nf4: bool = False
     sink: int = 0
-    # a 4-bit side's codes: "uniform" [-7, 7], "signed" [-8, 7], "search" (ratio per token), "asym" (vLLM's)
+    # a 4-bit side's codes: "uniform" [-7, 7] (qkv's earlier rule), "signed" [-8, 7] (the product's now),
+    # "search" (ratio per token), "asym" (vLLM's)
     grid: str = "uniform"
     rht: bool = False  # random signs before the Hadamard rotation (vLLM's RHT), undone after it
     sink_v: int = 0  # the first tokens' V left unquantized (K quantized)
@@ -122,7 +123,18 @@ ASYM_RULES = [
 GRID_RULES = [
     r for r in K8V4_RULES + ASYM_RULES if r.name in ("k8v4 rotated clip", "k8v4 rotated signed", "k8v4 rotated asym")
 ]
-SETS = {"int4": RULES, "k8v4": K8V4_RULES, "asym": ASYM_RULES, "grids": GRID_RULES}
+# the signed grid on both sides of int4, against the symmetric one at the same ratios
+INT4_SIGNED_RULES = [
+    Rule("int4 rotated signed", grid="signed"),
+    Rule("int4 rotated signed clip 0.925", clip=0.925, grid="signed"),
+]
+SETS = {
+    "int4": RULES,
+    "k8v4": K8V4_RULES,
+    "asym": ASYM_RULES,
+    "grids": GRID_RULES,
+    "int4-signed": INT4_SIGNED_RULES,
+}
 
 
 def asym_grid(x: torch.Tensor) -> torch.Tensor:
@@ -139,6 +151,16 @@ def asym_grid(x: torch.Tensor) -> torch.Tensor:
     q = rnd(x * (1.0 / scale) + zp).clamp(0, 15)
     kept = (scale.view(torch.int32) & -16).view(torch.float32)
     return (q - zp) * kept
+
+
+def symmetric_grid(x: torch.Tensor, clip: float) -> torch.Tensor:
+    """qkv's int4 rule before the signed grid (the rows named "uniform"): ``scale = amax / 7 * clip``, floored,
+    codes in [-7, 7], in the product's fp32 order."""
+    s = x.abs().amax(-1, keepdim=True) / 7.0
+    if clip != 1.0:
+        s = s * torch.tensor(clip, dtype=torch.float32)
+    s = s.clamp(min=DYNAMIC_SCALE_FLOOR)
+    return torch.round(x / s).clamp(-7, 7) * s
 
 
 def signed_grid(x: torch.Tensor, clip: float) -> torch.Tensor:
@@ -164,8 +186,10 @@ def per_token_search(x: torch.Tensor, quant) -> torch.Tensor:
 def fake_quant(x: torch.Tensor, side: int, rule: Rule) -> torch.Tensor:
     """Quantize and dequantize one side (0 K, 1 V) of ``x`` [..., D] along its last dim by ``rule``.
 
-    The uniform grid is the product's rule (``qkv.kernels.quant``'s per-token scales and rounding), applied per
-    group of channels when ``rule.group`` is set; ``clip`` applies to a 4-bit side only, as calibration's ratios do.
+    An 8-bit side is the product's rule (``qkv.kernels.quant``'s per-token scales and rounding). A 4-bit side's
+    "uniform" grid is qkv's symmetric [-7, 7] rule from before the product took the signed grid (so the committed
+    rows stay reproducible), "signed" the product's rule now; either applies per group of channels when
+    ``rule.group`` is set. ``clip`` applies to a 4-bit side only, as calibration's ratios do.
     """
     bits = rule.k_bits if side == 0 else rule.v_bits
     if bits == 16:
@@ -176,7 +200,7 @@ def fake_quant(x: torch.Tensor, side: int, rule: Rule) -> torch.Tensor:
     if rule.group:
         x = x.reshape(*shape[:-1], shape[-1] // rule.group, rule.group)
 
-    def uniform(t: torch.Tensor, r: float) -> torch.Tensor:
+    def product(t: torch.Tensor, r: float) -> torch.Tensor:
         scale = dynamic_scales(t, dt, side, r)
         return dequantize(quantize(t, scale, dt, side), scale, dt, torch.float32)
 
@@ -186,10 +210,10 @@ def fake_quant(x: torch.Tensor, side: int, rule: Rule) -> torch.Tensor:
     elif bits == 4 and rule.grid == "asym":
         y = asym_grid(x)
     elif bits == 4:
-        quant = signed_grid if rule.grid.startswith("signed") else uniform
+        quant = signed_grid if rule.grid.startswith("signed") else symmetric_grid
         y = per_token_search(x, quant) if rule.grid.endswith("search") else quant(x, clip)
     else:
-        y = uniform(x, clip)
+        y = product(x, clip)
     return y.reshape(shape)
 
 

@@ -415,7 +415,8 @@ static inline int64_t row_base(const CacheDesc& c, int64_t block, int kv, int64_
 static void quantize_row_packed(const float* x, float scale, int D, float qmax, int32_t side_dtype, uint8_t* data,
                                 int64_t base, int64_t hi_off) {
   int8_t q[512];  // D <= 512 (checked by the launcher)
-  const f32x8 hi = splat(qmax), lo = splat(-qmax), s = splat(scale);
+  // an int4 side's signed grid is [-8, 7] (qmax 8); an int8 side's is symmetric
+  const f32x8 hi = splat(side_dtype == I4 ? qmax - 1.0f : qmax), lo = splat(-qmax), s = splat(scale);
   for (int d = 0; d < D; d += 8) {
     f32x8 y = loadv(x + d) / s;
     y = y > hi ? hi : y;
@@ -487,15 +488,18 @@ extern "C" int qkv_write_kv_cache(const WriteArgs* a) {
         const float* scale = &dyn;
         bool per_channel = false;
         if (c.scale_mode == SCALE_DYNAMIC) {
-          float amax = 0.0f;
+          float amax = 0.0f, xmax = -INFINITY;
           for (int d = 0; d < D; ++d) {  // NaN propagates, like torch's amax
             const float v = std::fabs(x[d]);
             if (std::isnan(v)) { amax = v; break; }
             amax = std::max(amax, v);
+            xmax = std::max(xmax, x[d]);
           }
           float sc = amax / c.side_qmax[kv];  // the reference's order: amax / qmax, times a calibrated clip
           if (c.clip[kv] != 1.0f) sc *= c.clip[kv];
           dyn = std::max(sc, 1e-8f);
+          // an int4 side's signed grid: a positive extreme (or a zero row) takes code -8, so the scale flips
+          if (c.packed && c.side_dtype[kv] == I4 && xmax == amax) dyn = -dyn;
           c.scale_cache[block * c.s_stride_block + kv * c.s_stride_kv + off * c.s_stride_slot + h] = dyn;
         } else if (c.scale_mode == SCALE_HEAD) {
           scale = static_scale + h;

@@ -188,9 +188,11 @@ def test_cli_calibrates_clipping_ratios_for_a_4bit_cache(capsys, tiny_dir, corpu
     assert section["rotation"] == "hadamard" and "quantization_config" not in json.loads(
         (out / "config.json").read_text()
     )
+    assert (section["int4_grid"], section["format_version"]) == ("signed", 4)
     with safe_open(str(out / "qkv_kv_scales.safetensors"), "pt") as f:
         names = sorted(f.keys())
         clips = {n: float(f.get_tensor(n)) for n in names}
+        assert f.metadata()["int4_grid"] == "signed"
     assert names == sorted(f"model.layers.{i}.self_attn.{w}_clip" for i in range(3) for w in "kv")
     rec = json.loads((out / "calibration.json").read_text())
     assert rec["layers"] == [] and [c["layer"] for c in rec["clips"]] == [0, 1, 2]
@@ -211,6 +213,12 @@ def test_cli_calibrates_clipping_ratios_for_a_4bit_cache(capsys, tiny_dir, corpu
         LLM(str(tiny_dir("llama")), kv_cache_dtype="k8v4_per_token_head", kv_scales=str(out), num_blocks=16)
     with pytest.raises(ValueError, match="holds no k_scale/v_scale tensors"):
         LLM(str(tiny_dir("llama")), kv_cache_dtype="fp8", kv_scales=str(out), num_blocks=16)
+    # ratios from before the signed grid (no int4_grid in the section) are refused, not applied to another grid
+    config = json.loads((out / "config.json").read_text())
+    del config["qkv_kv_cache"]["int4_grid"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"int4_per_token_head were chosen for qkv's earlier symmetric int4 grid"):
+        LLM(str(out), kv_cache_dtype="int4_per_token_head", num_blocks=16)
     assert "--strategy and --observer do not apply" in _error(
         capsys,
         tiny_dir("llama"),

@@ -121,7 +121,9 @@ def test_an_unquantized_cache_with_a_basis_gives_the_same_logits(tiny_dir):
 def _scales_file(path, bases: dict[str, torch.Tensor]) -> str:
     tensors = {f"model.layers.{i}.self_attn.{s}_clip": torch.tensor([1.0]) for i in range(LAYERS) for s in "kv"}
     tensors.update(bases)
-    save_file(tensors, str(path), metadata={"type": "int", "kv_cache_dtype": "int4_per_token_head"})
+    save_file(
+        tensors, str(path), metadata={"type": "int", "kv_cache_dtype": "int4_per_token_head", "int4_grid": "signed"}
+    )
     return str(path)
 
 

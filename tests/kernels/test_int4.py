@@ -47,7 +47,8 @@ def test_the_two_modes_are_the_packed_ones():
     assert (INT4.planes, K8V4.planes) == (2, 3)
     assert (list(INT4.side_planes(0)), list(INT4.side_planes(1))) == ([0], [1])
     assert (list(K8V4.side_planes(0)), list(K8V4.side_planes(1))) == ([0, 1], [2])
-    assert (INT4.side_qmax(0), INT4.side_qmax(1), K8V4.side_qmax(0), K8V4.side_qmax(1)) == (7.0, 7.0, 127.0, 7.0)
+    assert (INT4.side_qmax(0), INT4.side_qmax(1), K8V4.side_qmax(0), K8V4.side_qmax(1)) == (8.0, 8.0, 127.0, 8.0)
+    assert (INT4.side_codes(0), K8V4.side_codes(0), K8V4.side_codes(1)) == ((-8.0, 7.0), (-127.0, 127.0), (-8.0, 7.0))
     assert INT4.cache_shape(5, 16, 3, 64) == (5, 2, 16, 3, 32)
     assert K8V4.cache_shape(5, 16, 3, 64) == (5, 3, 16, 3, 32)
 
@@ -63,22 +64,29 @@ def test_pack_puts_channel_j_low_and_j_plus_half_high():
     assert sorted(set(pack_int4(every).flatten().tolist())) == list(range(256))
 
 
-def test_int4_codes_round_half_to_even_and_saturate_at_seven():
+def test_int4_codes_round_half_to_even_and_saturate_on_the_signed_grid():
     x = torch.tensor([[[0.5, 1.5, 2.5, -0.5, -2.5, 6.6, 7.4, 100.0, -100.0, float("nan"), 3.49, -3.51]]])
     q = quantize(x, torch.ones(1, 1), INT4, kv=1)
-    assert q.tolist() == [[[0, 2, 2, 0, -2, 7, 7, 7, -7, 0, 3, -4]]]
+    assert q.tolist() == [[[0, 2, 2, 0, -2, 7, 7, 7, -8, 0, 3, -4]]]
+    # a negative scale mirrors the codes: 100 takes -8, -100 saturates at 7
+    assert quantize(x, -torch.ones(1, 1), INT4, kv=1).tolist() == [[[0, -2, -2, 0, 2, -7, -7, -8, 7, 0, -3, 4]]]
     # k8v4: the same values as K are int8 codes
     assert quantize(x, torch.ones(1, 1), K8V4, kv=0).tolist() == [[[0, 2, 2, 0, -2, 7, 7, 100, -100, 0, 3, -4]]]
 
 
-def test_clipping_scales_the_absmax_rule():
-    x = torch.tensor([[[1.0, -14.0, 3.5, 0.0]], [[0.0, 0.0, 0.0, 0.0]]])
+def test_clipping_scales_the_absmax_rule_and_the_extremes_sign_picks_the_scales():
+    x = torch.tensor([[[1.0, -16.0, 4.0, 0.0]], [[0.0, 0.0, 0.0, 0.0]], [[-2.0, 16.0, 0.5, 3.0]]])
     floor = torch.tensor(1e-8).item()
-    assert dynamic_scales(x, INT4).flatten().tolist() == [2.0, floor]
+    # the negative extreme keeps a positive scale; a positive one (and a zero row) flips it, onto code -8
+    assert dynamic_scales(x, INT4).flatten().tolist() == [2.0, -floor, -2.0]
+    assert quantize(x, dynamic_scales(x, INT4), INT4).tolist() == [[[0, -8, 2, 0]], [[0, 0, 0, 0]], [[1, -8, 0, -2]]]
     clipped = dynamic_scales(x, INT4, kv=1, clip=0.5)
-    assert clipped.flatten().tolist() == [1.0, floor]
-    # with the clipped scale, -14 saturates at -7 and 3.5 rounds to 4 (half to even)
-    assert quantize(x[:1], clipped[:1], INT4).tolist() == [[[1, -7, 4, 0]]]
+    assert clipped.flatten().tolist() == [1.0, -floor, -1.0]
+    # with the clipped scale, -16 saturates at -8 and 16 at -8; 0.5 rounds to 0 (half to even)
+    assert quantize(x, clipped, INT4).tolist() == [[[1, -8, 4, 0]], [[0, 0, 0, 0]], [[2, -8, 0, -3]]]
+    # k8v4's K is int8: symmetric, the scale's sign never flips
+    k_scale = (torch.tensor(16.0) / 127).item()
+    assert dynamic_scales(x, K8V4, kv=0).flatten().tolist() == [k_scale, floor, k_scale]
 
 
 def test_reference_write_lays_k8v4_out_in_three_half_row_planes():
@@ -86,12 +94,12 @@ def test_reference_write_lays_k8v4_out_in_three_half_row_planes():
         torch.zeros(K8V4.cache_shape(2, 4, 1, 8), dtype=torch.uint8), K8V4, scale_cache=torch.zeros(2, 2, 4, 1)
     )
     key = torch.tensor([[[127.0, -1, 2, -3, 4, -5, 6, -127]]])  # amax 127: scale 1, codes = values
-    value = torch.tensor([[[7.0, 1, -1, 0, -7, 2, 3, 6]]])  # amax 7: scale 1
+    value = torch.tensor([[[-8.0, 1, -1, 0, 7, 2, 3, 6]]])  # amax 8 at a negative value: scale 1
     reference.write(layer, key, value, write_step([6]))  # block 1, offset 2
     row = layer.kv[1, :, 2, 0]
     assert row[0].view(torch.int8).tolist() == [127, -1, 2, -3]  # K channels 0..3
     assert row[1].view(torch.int8).tolist() == [4, -5, 6, -127]  # K channels 4..7
-    assert row[2].tolist() == [0x97, 0x21, 0x3F, 0x60]  # V: channel j | channel j + 4 << 4
+    assert row[2].tolist() == [0x78, 0x21, 0x3F, 0x60]  # V: channel j | channel j + 4 << 4
     assert layer.scale_cache[1, :, 2, 0].tolist() == [1.0, 1.0]
     assert int(layer.kv[0].count_nonzero()) == 0 and int(layer.kv[1, :, :2].count_nonzero()) == 0
     k, v = reference.gather_kv(layer, torch.tensor([0, 1]), 7, torch.float32, start=6)
@@ -106,7 +114,9 @@ def _inputs(num_tokens: int, heads: int, dim: int, seed: int) -> tuple[torch.Ten
     )
     x[:, 3] = 0.0
     x[:, 5] = 0.0
-    x[:, 5, :, :4] = torch.tensor([7.0, 0.5, 1.5, -2.5])  # amax 7 (scale 1 unclipped): ties 0.5, 1.5, -2.5
+    x[:, 5, :, :4] = torch.tensor([-8.0, 0.5, 1.5, -2.5])  # int4 scale 1 (unclipped): ties 0.5, 1.5, -2.5
+    x[:, 4] = 0.0
+    x[:, 4, :, :4] = torch.tensor([8.0, -0.5, 1.5, -2.5])  # int4 scale -1: ties again, the extreme on -8
     x[:, 6, :, 0] = 1e4
     return x[0], x[1]
 
