@@ -89,7 +89,7 @@ def test_checkpoint_metadata_for_extensions(ckpts):
         "channel",
         "hadamard",
         False,
-        3,  # 3: the section names its kv_cache_dtype (the 4-bit modes' clipping ratios need it)
+        4,  # 3: the section names its kv_cache_dtype; 4: a 4-bit mode's section names its int4_grid
     )
     with safe_open(str(out / "qkv_kv_scales.safetensors"), framework="pt") as fh:
         assert fh.metadata()["rotation"] == "hadamard" and fh.metadata()["strategy"] == "channel"
