@@ -12,6 +12,12 @@ the scales never saw):
    ... the top k stay BF16 and all the others are quantized, and the *combined*
    ppl change is measured; the first k within the budget wins. Per-layer errors
    do not add up exactly, so the combination is measured, not estimated.
+3. **Stopping.** By default (``stop="upper"``) a k is within the budget when the
+   upper end of its change's 95 % interval is: a paired bootstrap over the
+   held-out windows, the interval ``qkv eval`` reports. Stopping at the first k
+   whose *point* estimate dips under the budget (``stop="point"``) selects for
+   noise in its favour, so that estimate runs low exactly where the search stops,
+   and unseen text then misses the budget (eval/results/README.md, 4-bit auto-skip).
 
 Everything runs through the paged engine (write-then-attend), swapping the cache
 layout between passes with :meth:`qkv.engine.LLMEngine.replace_kv_cache`.
@@ -23,21 +29,24 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from qkv.layer_specs import build_layer_specs
-from qkv.metrics import token_metrics, token_nll
+from qkv.metrics import paired_bootstrap, token_metrics, token_nll
 from qkv.model_loader import attention_layout
 from qkv.scoring import prefill_logits
 
 from .run import Calibration
 
-__all__ = ["select_skip_layers", "plot_sensitivity", "FIGURE_FILE"]
+__all__ = ["select_skip_layers", "plot_sensitivity", "FIGURE_FILE", "STOP_RULES"]
 
 logger = logging.getLogger("qkv")
 FIGURE_FILE = "sensitivity.png"
+STOP_RULES = ("upper", "point")
+N_BOOT = 2000  # qkv eval's default resamples, so the two report the same interval for the same windows
 
 
 def _scales(cal: Calibration) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -84,17 +93,32 @@ class _Scorer:
         base = sum(self.base_nll)
         return 100.0 * (math.exp((nll - base) / self.num_tokens) - 1.0)
 
+    def interval(self, nlls: list[float]) -> list[float]:
+        """95 % paired bootstrap interval of the ppl change from per-window NLL sums (seed 0: reproducible)."""
+        den = np.array([len(w) - 1 for w in self.windows], dtype=float)
+        boot = paired_bootstrap(np.array(nlls), den, np.array(self.base_nll), den, N_BOOT, 0)
+        lo, hi = np.percentile(boot, [2.5, 97.5])
+        return [float(lo), float(hi)]
+
 
 def select_skip_layers(
-    engine, cal: Calibration, windows: list[list[int]], max_ppl_delta: float, progress: bool = True
+    engine,
+    cal: Calibration,
+    windows: list[list[int]],
+    max_ppl_delta: float,
+    progress: bool = True,
+    stop: str = "upper",
 ) -> dict:
     """Measure per-layer sensitivity on ``windows`` and choose the BF16 layers; returns the record.
 
     ``engine`` must have an unquantized cache (calibration's own engine does) and
-    be idle; its cache is left all-BF16 afterwards.
+    be idle; its cache is left all-BF16 afterwards. ``stop`` is the rule of step 3
+    of the module docstring: ``"upper"`` (the interval's upper end) or ``"point"``.
     """
     if not windows:
         raise ValueError("--auto-skip needs held-out windows (--heldout-samples >= 1)")
+    if stop not in STOP_RULES:
+        raise ValueError(f"--auto-skip-stop: {stop!r} is not one of {', '.join(STOP_RULES)}")
     sc = _Scorer(engine, cal, windows)
     n_layers = len(sc.all_layers)
     nll = {i: 0.0 for i in sc.all_layers}
@@ -122,18 +146,21 @@ def select_skip_layers(
     for k in range(n_layers + 1):
         keep = sorted(ranking[:k])
         if k == n_layers:
-            delta = 0.0  # every layer BF16: the baseline itself
+            delta, ci = 0.0, [0.0, 0.0]  # every layer BF16: the baseline itself
         else:
             sc.use(set(sc.all_layers) - set(keep))
-            delta = sc.ppl_delta(sum(sc.nll(w) for w in windows))
-        search.append({"skip_layers": keep, "ppl_delta_pct": delta})
-        logger.info("auto-skip: %d layer(s) in BF16 %s -> ppl %+.3f%%", k, keep, delta)
-        if delta <= max_ppl_delta:
+            nlls = [sc.nll(w) for w in windows]
+            delta, ci = sc.ppl_delta(sum(nlls)), sc.interval(nlls)
+        search.append({"skip_layers": keep, "ppl_delta_pct": delta, "ppl_delta_pct_ci95": ci})
+        logger.info("auto-skip: %d layer(s) in BF16 %s -> ppl %+.3f%% [%+.2f, %+.2f]", k, keep, delta, *ci)
+        if (ci[1] if stop == "upper" else delta) <= max_ppl_delta:
             chosen = keep
             break
     sc.use(set())
     return {
         "max_ppl_delta_pct": max_ppl_delta,
+        "stop": stop,
+        "interval": f"95 % paired bootstrap over the held-out windows, {N_BOOT} resamples, seed 0",
         "metric_for_ranking": "kl_mean",
         "heldout": {"windows": len(windows), "tokens": sc.num_tokens, "window_len": max(len(w) for w in windows)},
         "baseline_nll_per_token": sum(sc.base_nll) / sc.num_tokens,
@@ -142,6 +169,7 @@ def select_skip_layers(
         "search": search,
         "skip_layers": chosen,
         "ppl_delta_pct": search[-1]["ppl_delta_pct"],
+        "ppl_delta_pct_ci95": search[-1]["ppl_delta_pct_ci95"],
     }
 
 
@@ -167,6 +195,14 @@ def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
     a2.set_xlabel("layer")
     ks = list(range(len(record["search"])))
     a3.plot(ks, [s["ppl_delta_pct"] for s in record["search"]], "o-")
+    if all("ppl_delta_pct_ci95" in s for s in record["search"]):  # records before the interval have none
+        a3.fill_between(
+            ks,
+            [s["ppl_delta_pct_ci95"][0] for s in record["search"]],
+            [s["ppl_delta_pct_ci95"][1] for s in record["search"]],
+            alpha=0.2,
+            label=f"95 % interval (stop: {record.get('stop', 'point')})",
+        )
     a3.axhline(record["max_ppl_delta_pct"], color="tab:red", ls="--", label="budget")
     a3.set_xlabel("layers kept in BF16 (most sensitive first)")
     a3.set_ylabel("ppl change % (all others quantized)")

@@ -27,7 +27,7 @@ from qkv.options import Checked, option
 from qkv.registry import resolve_model
 from qkv.scales import read_kv_scales
 
-from .autoskip import FIGURE_FILE, plot_sensitivity, select_skip_layers
+from .autoskip import FIGURE_FILE, STOP_RULES, plot_sensitivity, select_skip_layers
 from .checkpoint import vllm_note, vllm_readable, write_checkpoint
 from .data import Samples, build_samples, load_rows
 from .export import export_folded, export_vllm
@@ -65,6 +65,12 @@ class CalibrateOptions(CalibrationSpec):
         "on held-out chunks; written into the checkpoint and applied by default",
     )
     max_ppl_delta: str | None = option(None, "auto-skip's budget, e.g. 0.2%% (default 0.2%%)")
+    auto_skip_stop: str | None = option(
+        None,
+        "when auto-skip's search meets the budget: 'upper' (default), when the upper end of the held-out change's "
+        "95%% interval does, or 'point', when the change itself does (biased low where the search stops)",
+        choices=STOP_RULES,
+    )
     heldout_samples: int = option(
         16,
         "held-out chunks for --auto-skip (same dataset and --seq-len, never used for the scales). "
@@ -104,8 +110,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         budget = parse_threshold(opts.max_ppl_delta or "0.2%", "--max-ppl-delta")
         if opts.dataset is None:
             raise ValueError("--auto-skip needs --dataset: its held-out chunks come from the same data")
-    elif opts.max_ppl_delta is not None:
-        raise ValueError("--max-ppl-delta is auto-skip's budget; add --auto-skip")
+    elif opts.max_ppl_delta is not None or opts.auto_skip_stop is not None:
+        raise ValueError("--max-ppl-delta and --auto-skip-stop are auto-skip's; add --auto-skip")
     if opts.dataset is None and any(v is not None for v in (opts.dataset_config, opts.split, opts.text_column)):
         raise ValueError("--dataset-config/--split/--text-column need --dataset")
     out = Path(opts.output)
@@ -145,7 +151,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         **opts.spec(),
     )
     if budget is not None:
-        cal.sensitivity = select_skip_layers(llm.llm_engine, cal, heldout, budget, opts.progress)
+        cal.sensitivity = select_skip_layers(
+            llm.llm_engine, cal, heldout, budget, opts.progress, stop=opts.auto_skip_stop or "upper"
+        )
         cal.skip_layers = cal.sensitivity["skip_layers"]
     cal.wall_time_s = time.perf_counter() - t0  # dataset loading included
     write_checkpoint(cal, out, weights=opts.weights, overwrite=opts.overwrite)
@@ -163,7 +171,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
             s = cal.sensitivity
             print(
                 f"auto-skip: keep layers {s['skip_layers'] or 'none'} in BF16 -> ppl {s['ppl_delta_pct']:+.3f}% "
-                f"on {s['heldout']['windows']} held-out chunks (budget {s['max_ppl_delta_pct']:g}%); "
+                "[{:+.2f}, {:+.2f}] ".format(*s["ppl_delta_pct_ci95"])
+                + f"on {s['heldout']['windows']} held-out chunks (budget {s['max_ppl_delta_pct']:g}%, "
+                f"stop: {s['stop']}); "
                 f"figure: {out}/{FIGURE_FILE}"
             )
         where = (

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from qkv.metrics import token_metrics
+from qkv.metrics import paired_bootstrap, token_metrics
 from qkv.scoring import prefill_logits
 
 __all__ = ["ConfigTokens", "score_windows", "summarize", "paired_bootstrap"]
@@ -72,17 +72,6 @@ def score_windows(
             ", ".join(f"{k} nll {out[k].nll_sum[-1] / out[k].num_tokens[-1]:.4f}" for k in order),
         )
     return out
-
-
-def paired_bootstrap(
-    num: np.ndarray, den: np.ndarray, base_num: np.ndarray, base_den: np.ndarray, n_boot: int, seed: int
-) -> np.ndarray:
-    """Bootstrap samples of the ppl delta in percent; each resample picks the same windows for both."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(num), size=(n_boot, len(num)))
-    ppl = np.exp(num[idx].sum(1) / den[idx].sum(1))
-    base = np.exp(base_num[idx].sum(1) / base_den[idx].sum(1))
-    return (ppl / base - 1.0) * 100.0
 
 
 def _ci(samples: np.ndarray) -> list[float]:

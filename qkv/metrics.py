@@ -9,16 +9,18 @@ two never disagree on a formula. Per position ``t`` of a window:
   configuration's next-token distribution;
 * top-1 agreement: ``argmax p == argmax q``.
 
-A perplexity budget such as ``--max-ppl-delta 0.2%`` is read by :func:`parse_threshold`.
+A perplexity budget such as ``--max-ppl-delta 0.2%`` is read by :func:`parse_threshold`, and both tools put
+a window-level interval on a ppl change with :func:`paired_bootstrap`.
 """
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 
-__all__ = ["token_metrics", "token_nll", "parse_threshold", "ROWS"]
+__all__ = ["token_metrics", "token_nll", "parse_threshold", "paired_bootstrap", "ROWS"]
 
 ROWS = 256  # rows of [T, vocab] processed at a time: bounds memory for 262k-token vocabularies
 
@@ -48,6 +50,21 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             for s in range(0, logits.shape[0], ROWS)
         ]
     ).double()
+
+
+def paired_bootstrap(
+    num: np.ndarray, den: np.ndarray, base_num: np.ndarray, base_den: np.ndarray, n_boot: int, seed: int
+) -> np.ndarray:
+    """Bootstrap samples of the ppl change in percent from per-window NLL sums ``num`` over ``den`` tokens.
+
+    Each resample picks the same windows for the configuration and the baseline: the windows' difficulty is
+    shared, so pairing leaves only the noise of the change itself.
+    """
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(num), size=(n_boot, len(num)))
+    ppl = np.exp(num[idx].sum(1) / den[idx].sum(1))
+    base = np.exp(base_num[idx].sum(1) / base_den[idx].sum(1))
+    return (ppl / base - 1.0) * 100.0
 
 
 def _nll(log_probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -256,17 +256,27 @@ def test_auto_skip_selection(llama, tmp_path):
     out = write_checkpoint(cal, tmp_path / "coarse")
     fresh = LLM(str(out), kv_cache_dtype="int8", num_blocks=8).llm_engine
     assert rec["search"][0]["ppl_delta_pct"] == pytest.approx(_ppl_delta(fresh, engine, held), abs=1e-9)
+    # two windows of one length: the resamples are each window alone or both, so the interval's ends are the
+    # two windows' own changes
+    per_window = sorted(_ppl_delta(fresh, engine, [w]) for w in held)
+    assert rec["search"][0]["ppl_delta_pct_ci95"] == pytest.approx(per_window, abs=1e-9)
+    assert per_window[0] < per_window[1] and rec["stop"] == "upper"
     # an impossible budget keeps every layer in BF16, trying the most sensitive first
     rec = select_skip_layers(engine, cal, held, max_ppl_delta=-1e9, progress=False)
     assert rec["skip_layers"] == [0, 1, 2] and [s["skip_layers"] for s in rec["search"]] == [
         sorted(rec["ranking"][:k]) for k in range(4)
     ]
     assert rec["search"][-1]["ppl_delta_pct"] == 0.0
-    # a budget between two measured points picks the first k that meets it
-    deltas = [s["ppl_delta_pct"] for s in rec["search"]]
-    k = next(i for i, d in enumerate(deltas) if d <= deltas[1] + 1e-12)
-    rec2 = select_skip_layers(engine, cal, held, max_ppl_delta=deltas[1] + 1e-12, progress=False)
-    assert rec2["skip_layers"] == sorted(rec["ranking"][:k])
+    assert rec["search"][-1]["ppl_delta_pct_ci95"] == [0.0, 0.0]
+    # a budget between two measured points picks the first k that meets it: by the point estimate under
+    # stop="point", by the upper end of the interval by default
+    for stop, at in (("point", lambda s: s["ppl_delta_pct"]), ("upper", lambda s: s["ppl_delta_pct_ci95"][1])):
+        values = [at(s) for s in rec["search"]]
+        k = next(i for i, v in enumerate(values) if v <= values[1] + 1e-12)
+        rec2 = select_skip_layers(engine, cal, held, max_ppl_delta=values[1] + 1e-12, progress=False, stop=stop)
+        assert rec2["skip_layers"] == sorted(rec["ranking"][:k]) and rec2["stop"] == stop
+    with pytest.raises(ValueError, match="--auto-skip-stop"):
+        select_skip_layers(engine, cal, held, max_ppl_delta=1.0, progress=False, stop="mean")
     assert not any(s.dtype.quantized for s in engine.layer_specs)  # left unquantized
 
 
@@ -298,6 +308,9 @@ def test_auto_skip_cli_writes_and_engine_applies(llama, tmp_path, capsys):
         )
         == 2
     )  # a negative budget is bad input
+    args = ["calibrate", llama, "--dataset", str(text), "--num-samples", "2", "--seq-len", "32", "-o", str(out)]
+    assert main([*args, "--auto-skip-stop", "point"]) == 2  # auto-skip's flag without --auto-skip
+    assert "--auto-skip-stop are auto-skip's; add --auto-skip" in capsys.readouterr().err
     assert (
         main(
             [
@@ -326,7 +339,8 @@ def test_auto_skip_cli_writes_and_engine_applies(llama, tmp_path, capsys):
     printed = capsys.readouterr().out
     rec = json.loads((out / "calibration.json").read_text())["auto_skip"]
     cfg = json.loads((out / "config.json").read_text())["qkv_kv_cache"]
-    assert cfg["skip_layers"] == rec["skip_layers"] and rec["ppl_delta_pct"] <= 0.0
+    assert cfg["skip_layers"] == rec["skip_layers"] and rec["ppl_delta_pct_ci95"][1] <= 0.0
+    assert rec["stop"] == "upper" and rec["search"][-1]["ppl_delta_pct_ci95"] == rec["ppl_delta_pct_ci95"]
     assert f"keep layers {rec['skip_layers'] or 'none'} in BF16" in printed
     assert (out / "sensitivity.png").stat().st_size > 10_000
     eng = LLM(str(out), kv_cache_dtype="int8", num_blocks=8).llm_engine
