@@ -35,7 +35,7 @@ from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
 from qkv.layer_specs import build_layer_specs
-from qkv.metrics import paired_bootstrap, token_metrics, token_nll
+from qkv.metrics import interval95, paired_bootstrap, token_metrics, token_nll
 from qkv.model_loader import attention_layout
 from qkv.scoring import prefill_logits
 
@@ -69,7 +69,8 @@ class _Scorer:
         self.scales = _scales(cal)
         self.clips = {c.layer: (c.k_clip, c.v_clip) for c in cal.clips or []}
         self.base_nll: list[float] = []
-        self.num_tokens = sum(len(w) - 1 for w in windows)
+        self.window_tokens = np.array([len(w) - 1 for w in windows], dtype=float)  # scored per window
+        self.num_tokens = int(self.window_tokens.sum())
 
     def use(self, quantized: set[int]) -> None:
         skip = [i for i in self.all_layers if i not in quantized] or None
@@ -95,10 +96,8 @@ class _Scorer:
 
     def interval(self, nlls: list[float]) -> list[float]:
         """95 % paired bootstrap interval of the ppl change from per-window NLL sums (seed 0: reproducible)."""
-        den = np.array([len(w) - 1 for w in self.windows], dtype=float)
-        boot = paired_bootstrap(np.array(nlls), den, np.array(self.base_nll), den, N_BOOT, 0)
-        lo, hi = np.percentile(boot, [2.5, 97.5])
-        return [float(lo), float(hi)]
+        den = self.window_tokens
+        return interval95(paired_bootstrap(np.array(nlls), den, np.array(self.base_nll), den, N_BOOT, 0))
 
 
 def select_skip_layers(
@@ -201,7 +200,7 @@ def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
             [s["ppl_delta_pct_ci95"][0] for s in record["search"]],
             [s["ppl_delta_pct_ci95"][1] for s in record["search"]],
             alpha=0.2,
-            label=f"95 % interval (stop: {record.get('stop', 'point')})",
+            label=f"95 % interval (stop: {record['stop']})",
         )
     a3.axhline(record["max_ppl_delta_pct"], color="tab:red", ls="--", label="budget")
     a3.set_xlabel("layers kept in BF16 (most sensitive first)")

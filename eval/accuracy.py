@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from qkv.metrics import paired_bootstrap, token_metrics
+from qkv.metrics import interval95, paired_bootstrap, token_metrics
 from qkv.scoring import prefill_logits
 
 __all__ = ["ConfigTokens", "score_windows", "summarize", "paired_bootstrap"]
@@ -74,11 +74,6 @@ def score_windows(
     return out
 
 
-def _ci(samples: np.ndarray) -> list[float]:
-    lo, hi = np.percentile(samples, [2.5, 97.5])
-    return [float(lo), float(hi)]
-
-
 def summarize(tokens: dict[str, ConfigTokens], baseline: str, n_boot: int, seed: int = 0) -> dict[str, dict]:
     """Every accuracy number of every configuration, with bootstrap CIs over windows."""
     b = tokens[baseline]
@@ -95,18 +90,18 @@ def summarize(tokens: dict[str, ConfigTokens], baseline: str, n_boot: int, seed:
         all_kl = np.concatenate(t.kl_tokens)
         out[label] = {
             "ppl": ppl,
-            "ppl_ci95": _ci(np.exp(num[idx].sum(1) / den[idx].sum(1))),
+            "ppl_ci95": interval95(np.exp(num[idx].sum(1) / den[idx].sum(1))),
             "ppl_delta_pct": (ppl / base_ppl - 1.0) * 100.0,
-            "ppl_delta_pct_ci95": _ci(delta),
+            "ppl_delta_pct_ci95": interval95(delta),
             "kl_mean": float(kls.sum() / den.sum()),
-            "kl_mean_ci95": _ci(kls[idx].sum(1) / den[idx].sum(1)),
+            "kl_mean_ci95": interval95(kls[idx].sum(1) / den[idx].sum(1)),
             "kl_p99": float(np.percentile(all_kl, 99)),
-            "kl_p99_ci95": _ci(
+            "kl_p99_ci95": interval95(
                 np.array([np.percentile(np.concatenate([t.kl_tokens[i] for i in row]), 99) for row in idx[:200]])
             ),
             "kl_max": float(all_kl.max()),
             "top1_agreement": float(top.sum() / den.sum()),
-            "top1_agreement_ci95": _ci(top[idx].sum(1) / den[idx].sum(1)),
+            "top1_agreement_ci95": interval95(top[idx].sum(1) / den[idx].sum(1)),
             "num_tokens": int(den.sum()),
             "score_seconds": t.seconds,
             "per_window": {

@@ -20,7 +20,7 @@ import re
 import numpy as np
 import torch
 
-__all__ = ["token_metrics", "token_nll", "parse_threshold", "paired_bootstrap", "ROWS"]
+__all__ = ["token_metrics", "token_nll", "parse_threshold", "paired_bootstrap", "interval95", "ROWS"]
 
 ROWS = 256  # rows of [T, vocab] processed at a time: bounds memory for 262k-token vocabularies
 
@@ -65,6 +65,12 @@ def paired_bootstrap(
     ppl = np.exp(num[idx].sum(1) / den[idx].sum(1))
     base = np.exp(base_num[idx].sum(1) / base_den[idx].sum(1))
     return (ppl / base - 1.0) * 100.0
+
+
+def interval95(samples: np.ndarray) -> list[float]:
+    """The central 95 % of bootstrap ``samples``: ``[2.5th, 97.5th]`` percentile."""
+    lo, hi = np.percentile(samples, [2.5, 97.5])
+    return [float(lo), float(hi)]
 
 
 def _nll(log_probs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
