@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from tqdm.auto import tqdm
 
 from qkv.layer_specs import build_layer_specs
@@ -203,6 +204,7 @@ def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
             label=f"95 % interval (stop: {record['stop']})",
         )
     a3.axhline(record["max_ppl_delta_pct"], color="tab:red", ls="--", label="budget")
+    a3.xaxis.set_major_locator(MaxNLocator(integer=True))  # a count of layers: no half-layer ticks
     a3.set_xlabel("layers kept in BF16 (most sensitive first)")
     a3.set_ylabel("ppl change % (all others quantized)")
     a3.legend()
