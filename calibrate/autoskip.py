@@ -1,5 +1,9 @@
 """Automatic skip-layer selection: the fewest layers kept in BF16 so that the model meets a ppl budget.
 
+The kept layers hold the model's dtype (BF16), as vLLM's skipped layers do, or with ``skip_dtype`` a per-token
+8-bit cache (``--kv-cache-dtype-skip-dtype int8_per_token_head``): a 4-bit cache's most sensitive layers then
+cost half of BF16's bytes, and the search measures them as they will be served.
+
 ``qkv calibrate ... --auto-skip --max-ppl-delta 0.2%`` runs this after the scales
 are chosen, on held-out calibration windows (chunks of the same dataset that
 the scales never saw):
@@ -42,7 +46,7 @@ from qkv.scoring import prefill_logits
 
 from .run import Calibration
 
-__all__ = ["select_skip_layers", "plot_sensitivity", "FIGURE_FILE", "STOP_RULES"]
+__all__ = ["select_skip_layers", "plot_sensitivity", "kept_in", "FIGURE_FILE", "STOP_RULES"]
 
 logger = logging.getLogger("qkv")
 FIGURE_FILE = "sensitivity.png"
@@ -63,8 +67,8 @@ def _scales(cal: Calibration) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
 class _Scorer:
     """Held-out windows through one engine, with the cache layout swapped per configuration."""
 
-    def __init__(self, engine, cal: Calibration, windows: list[list[int]]) -> None:
-        self.engine, self.cal, self.windows = engine, cal, windows
+    def __init__(self, engine, cal: Calibration, windows: list[list[int]], skip_dtype: str = "auto") -> None:
+        self.engine, self.cal, self.windows, self.skip_dtype = engine, cal, windows, skip_dtype
         self.layout = attention_layout(engine.model)
         self.all_layers = [d["layer_idx"] for d in self.layout]
         self.scales = _scales(cal)
@@ -73,9 +77,19 @@ class _Scorer:
         self.window_tokens = np.array([len(w) - 1 for w in windows], dtype=float)  # scored per window
         self.num_tokens = int(self.window_tokens.sum())
 
-    def use(self, quantized: set[int]) -> None:
+    def use(self, quantized: set[int], kept: bool = False) -> None:
+        """``quantized`` layers in the calibrated dtype; the others in the model's dtype, or with ``kept`` in the
+        dtype the kept layers will be served in (the search's passes; the baseline and the per-layer
+        sensitivities are measured against BF16)."""
         skip = [i for i in self.all_layers if i not in quantized] or None
-        specs = build_layer_specs(self.layout, self.cal.kv_dtype.name, self.engine.dtype, skip, self.cal.rotation)
+        specs = build_layer_specs(
+            self.layout,
+            self.cal.kv_dtype.name,
+            self.engine.dtype,
+            skip,
+            self.cal.rotation,
+            self.skip_dtype if kept else "auto",
+        )
         self.engine.replace_kv_cache(
             specs,
             {i: s for i, s in self.scales.items() if i in quantized},
@@ -108,18 +122,22 @@ def select_skip_layers(
     max_ppl_delta: float,
     progress: bool = True,
     stop: str = "upper",
+    skip_dtype: str = "auto",
 ) -> dict:
-    """Measure per-layer sensitivity on ``windows`` and choose the BF16 layers; returns the record.
+    """Measure per-layer sensitivity on ``windows`` and choose the layers to keep; returns the record.
 
     ``engine`` must have an unquantized cache (calibration's own engine does) and
     be idle; its cache is left all-BF16 afterwards. ``stop`` is the rule of step 3
     of the module docstring: ``"upper"`` (the interval's upper end) or ``"point"``.
+    ``skip_dtype``: what the kept layers hold (``"auto"``: the model's dtype), in
+    every pass, so that the selection curve is the one the checkpoint will be served with.
+    The per-layer sensitivities are measured against the all-BF16 cache either way.
     """
     if not windows:
         raise ValueError("--auto-skip needs held-out windows (--heldout-samples >= 1)")
     if stop not in STOP_RULES:
         raise ValueError(f"--auto-skip-stop: {stop!r} is not one of {', '.join(STOP_RULES)}")
-    sc = _Scorer(engine, cal, windows)
+    sc = _Scorer(engine, cal, windows, skip_dtype)
     n_layers = len(sc.all_layers)
     nll = {i: 0.0 for i in sc.all_layers}
     kl = {i: 0.0 for i in sc.all_layers}
@@ -143,23 +161,29 @@ def select_skip_layers(
 
     search = []
     chosen: list[int] = list(ranking)
+    label = kept_in({"skip_dtype": skip_dtype})
     for k in range(n_layers + 1):
         keep = sorted(ranking[:k])
-        if k == n_layers:
+        if k == n_layers and skip_dtype == "auto":
             delta, ci = 0.0, [0.0, 0.0]  # every layer BF16: the baseline itself
         else:
-            sc.use(set(sc.all_layers) - set(keep))
+            sc.use(set(sc.all_layers) - set(keep), kept=True)
             nlls = [sc.nll(w) for w in windows]
             delta, ci = sc.ppl_delta(sum(nlls)), sc.interval(nlls)
         search.append({"skip_layers": keep, "ppl_delta_pct": delta, "ppl_delta_pct_ci95": ci})
-        logger.info("auto-skip: %d layer(s) in BF16 %s -> ppl %+.3f%% [%+.2f, %+.2f]", k, keep, delta, *ci)
+        logger.info("auto-skip: %d layer(s) in %s %s -> ppl %+.3f%% [%+.2f, %+.2f]", k, label, keep, delta, *ci)
         if (ci[1] if stop == "upper" else delta) <= max_ppl_delta:
             chosen = keep
             break
+    else:  # only an 8-bit kept dtype can get here: with BF16 the last point is the baseline itself
+        logger.warning(
+            "auto-skip: even every layer in %s misses the %g%% budget; keeping them all", label, max_ppl_delta
+        )
     sc.use(set())
     return {
         "max_ppl_delta_pct": max_ppl_delta,
         "stop": stop,
+        "skip_dtype": skip_dtype,
         "interval": f"95 % paired bootstrap over the held-out windows, {N_BOOT} resamples, seed 0",
         "metric_for_ranking": "kl_mean",
         "heldout": {"windows": len(windows), "tokens": sc.num_tokens, "window_len": max(len(w) for w in windows)},
@@ -171,6 +195,13 @@ def select_skip_layers(
         "ppl_delta_pct": search[-1]["ppl_delta_pct"],
         "ppl_delta_pct_ci95": search[-1]["ppl_delta_pct_ci95"],
     }
+
+
+def kept_in(record: dict) -> str:
+    """What the kept layers hold, for messages and the figure: BF16 (the model's dtype; records made before
+    ``skip_dtype`` existed have none) or the per-token 8-bit dtype."""
+    dtype = record.get("skip_dtype", "auto")
+    return "BF16" if dtype == "auto" else dtype
 
 
 def _targets(ids: list[int]) -> torch.Tensor:
@@ -188,7 +219,7 @@ def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
     a1.bar(idx, [max(d["kl_mean"], 1e-9) for d in layers], color=colors)
     a1.set_yscale("log")
     a1.set_ylabel("mean KL (one layer quantized)")
-    a1.set_title(f"{title}: red = kept in BF16 ({len(keep)} of {len(layers)})")
+    a1.set_title(f"{title}: red = kept in {kept_in(record)} ({len(keep)} of {len(layers)})")
     a2.bar(idx, [d["ppl_delta_pct"] for d in layers], color=colors)
     a2.axhline(0, color="black", lw=0.5)
     a2.set_ylabel("ppl change % (one layer)")
@@ -205,7 +236,7 @@ def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
         )
     a3.axhline(record["max_ppl_delta_pct"], color="tab:red", ls="--", label="budget")
     a3.xaxis.set_major_locator(MaxNLocator(integer=True))  # a count of layers: no half-layer ticks
-    a3.set_xlabel("layers kept in BF16 (most sensitive first)")
+    a3.set_xlabel(f"layers kept in {kept_in(record)} (most sensitive first)")
     a3.set_ylabel("ppl change % (all others quantized)")
     a3.legend()
     path = Path(path)

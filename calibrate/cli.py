@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from qkv.config_flags import add_config_args, add_engine_args, config_kwargs
+from qkv.layer_specs import SKIP_DTYPES
 from qkv.metrics import parse_threshold
 from qkv.model_loader import load_tokenizer
 from qkv.options import Checked, option
 from qkv.registry import resolve_model
 from qkv.scales import read_kv_scales
 
-from .autoskip import FIGURE_FILE, STOP_RULES, plot_sensitivity, select_skip_layers
+from .autoskip import FIGURE_FILE, STOP_RULES, kept_in, plot_sensitivity, select_skip_layers
 from .checkpoint import vllm_note, vllm_readable, write_checkpoint
 from .data import Samples, build_samples, load_rows
 from .export import export_folded, export_vllm
@@ -71,6 +72,13 @@ class CalibrateOptions(CalibrationSpec):
         "95%% interval does, or 'point', when the change itself does (biased low where the search stops)",
         choices=STOP_RULES,
     )
+    kv_cache_dtype_skip_dtype: str | None = option(
+        None,
+        "what the layers auto-skip keeps hold: auto (the model's dtype, default) or int8_per_token_head / "
+        "fp8_per_token_head (qkv extension: half the bytes; the search then measures them so); written into "
+        "the checkpoint and applied by default",
+        choices=SKIP_DTYPES,
+    )
     heldout_samples: int = option(
         16,
         "held-out chunks for --auto-skip (same dataset and --seq-len, never used for the scales). "
@@ -110,8 +118,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
         budget = parse_threshold(opts.max_ppl_delta or "0.2%", "--max-ppl-delta")
         if opts.dataset is None:
             raise ValueError("--auto-skip needs --dataset: its held-out chunks come from the same data")
-    elif opts.max_ppl_delta is not None or opts.auto_skip_stop is not None:
-        raise ValueError("--max-ppl-delta and --auto-skip-stop are auto-skip's; add --auto-skip")
+    else:
+        given = {
+            "--max-ppl-delta": opts.max_ppl_delta,
+            "--auto-skip-stop": opts.auto_skip_stop,
+            "--kv-cache-dtype-skip-dtype": opts.kv_cache_dtype_skip_dtype,
+        }
+        named = [flag for flag, value in given.items() if value is not None]
+        if named:
+            raise ValueError(f"{', '.join(named)}: auto-skip's flag{'s' if len(named) > 1 else ''}; add --auto-skip")
     if opts.dataset is None and any(v is not None for v in (opts.dataset_config, opts.split, opts.text_column)):
         raise ValueError("--dataset-config/--split/--text-column need --dataset")
     out = Path(opts.output)
@@ -151,10 +166,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
         **opts.spec(),
     )
     if budget is not None:
+        skip_dtype = opts.kv_cache_dtype_skip_dtype or "auto"
         cal.sensitivity = select_skip_layers(
-            llm.llm_engine, cal, heldout, budget, opts.progress, stop=opts.auto_skip_stop or "upper"
+            llm.llm_engine,
+            cal,
+            heldout,
+            budget,
+            opts.progress,
+            stop=opts.auto_skip_stop or "upper",
+            skip_dtype=skip_dtype,
         )
         cal.skip_layers = cal.sensitivity["skip_layers"]
+        cal.skip_dtype = None if skip_dtype == "auto" else skip_dtype
     cal.wall_time_s = time.perf_counter() - t0  # dataset loading included
     write_checkpoint(cal, out, weights=opts.weights, overwrite=opts.overwrite)
     if cal.sensitivity is not None:
@@ -170,7 +193,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
         if cal.sensitivity is not None:
             s = cal.sensitivity
             print(
-                f"auto-skip: keep layers {s['skip_layers'] or 'none'} in BF16 -> ppl {s['ppl_delta_pct']:+.3f}% "
+                f"auto-skip: keep layers {s['skip_layers'] or 'none'} in {kept_in(s)} "
+                f"-> ppl {s['ppl_delta_pct']:+.3f}% "
                 "[{:+.2f}, {:+.2f}] ".format(*s["ppl_delta_pct_ci95"])
                 + f"on {s['heldout']['windows']} held-out chunks (budget {s['max_ppl_delta_pct']:g}%, "
                 f"stop: {s['stop']}); "

@@ -86,6 +86,12 @@ def _skip_layers(value) -> None:
 
 # The owning modules below import torch (and transformers): imported when a field is checked or a parser built,
 # so that `import qkv.config` stays light.
+def _skip_dtype(value: str) -> None:
+    from .layer_specs import check_skip_dtype
+
+    check_skip_dtype(value)
+
+
 def _kv_cache_dtype(value: str) -> None:
     from .kernels.quant import resolve_cache_dtype
 
@@ -166,6 +172,13 @@ class EngineConfig:
         "keep these layers' cache unquantized: 'sliding_window' and/or layer indices (default: the layers "
         "a calibrated checkpoint's auto-skip chose, else none)",
         check=_skip_layers,
+    )
+    kv_cache_dtype_skip_dtype: str | None = option(
+        None,
+        "qkv extension: the cache dtype of the skipped layers: auto (the model's, as vLLM keeps them), or "
+        "int8_per_token_head / fp8_per_token_head (half the bytes, no scales to calibrate). Default: what a "
+        "calibrated checkpoint's auto-skip chose, else auto",
+        check=_skip_dtype,
     )
     kv_rotation: str = option(
         "auto",

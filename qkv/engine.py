@@ -77,6 +77,7 @@ class LLMEngine:
             config.kv_scales,
             config.kv_cache_dtype_skip_layers,
             config.kv_rotation,
+            config.kv_cache_dtype_skip_dtype,
         )
         if config.num_blocks is not None:
             num_blocks = config.num_blocks

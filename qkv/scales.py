@@ -72,12 +72,13 @@ class KVScales:
     source: str = ""
     meta: dict = field(default_factory=dict)
     rotation: str | None = None  # "hadamard" when calibrated on rotated K/V
-    skip_layers: list | None = None  # layers the calibration chose to keep in BF16
+    skip_layers: list | None = None  # layers the calibration chose to keep out of the main cache dtype
     k_clip: dict[int, float] = field(default_factory=dict)  # per-token modes: clipping ratio per layer
     v_clip: dict[int, float] = field(default_factory=dict)
     clip_dtype: str | None = None  # the per-token mode the ratios were chosen for
     k_mean: dict[int, torch.Tensor] = field(default_factory=dict)  # per-token modes: key basis per layer
     k_smooth: dict[int, torch.Tensor] = field(default_factory=dict)
+    skip_dtype: str | None = None  # what they hold (None: the model's dtype; else a per-token 8-bit dtype)
 
 
 def _warn_once(msg: str) -> None:
@@ -190,6 +191,14 @@ def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | No
     if isinstance(skip, str):  # safetensors metadata holds strings: "3,7" / "sliding_window,3"
         skip = [x for x in skip.replace(",", " ").split()]
     skip = [int(x) if str(x).isdigit() else x for x in skip] if skip else None
+    skip_dtype = src.get("skip_dtype") or None
+    if skip_dtype is not None:
+        from .layer_specs import check_skip_dtype
+
+        try:
+            check_skip_dtype(str(skip_dtype))
+        except ValueError as e:
+            raise ValueError(f"{flag} {path}: skip_dtype: {e}") from None
     k_clip, v_clip = ({i: _clip(t, flag, path) for i, t in clips[side].items()} for side in "kv")
     clip_dtype = src.get("kv_cache_dtype") if k_clip or v_clip else None
     return KVScales(
@@ -206,6 +215,7 @@ def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | No
         clip_dtype,
         k_mean=clips["mean"],
         k_smooth=clips["smooth"],
+        skip_dtype=None if skip_dtype in (None, "auto") else str(skip_dtype),
     )
 
 
@@ -287,6 +297,7 @@ def resolve_kv_cache(
     kv_scales: str | None = None,
     skip_layers=None,
     rotation: str | None = "auto",
+    skip_dtype: str | None = None,
 ) -> tuple[
     list[LayerSpec], dict[int, tuple[torch.Tensor, torch.Tensor]], dict[int, tuple[float, float]], dict[int, KeyBasis]
 ]:
@@ -295,7 +306,8 @@ def resolve_kv_cache(
 
     A statically scaled dtype reads the checkpoint's scales first, because they
     decide the defaults: ``--kv-rotation auto`` takes their rotation and, when no
-    ``--kv-cache-dtype-skip-layers`` is given, their auto-skip layers apply.
+    ``--kv-cache-dtype-skip-layers`` is given, their auto-skip layers apply, and without
+    ``--kv-cache-dtype-skip-dtype``, the dtype auto-skip chose for them.
     """
     from .kernels.quant import resolve_cache_dtype
     from .layer_specs import build_layer_specs
@@ -307,10 +319,17 @@ def resolve_kv_cache(
     elif dt.packed:  # only the 4-bit per-token modes are calibrated (clipping ratios); the others read nothing
         scales = _load_clips(model_path, kv_scales, dt.name)
     rot = _rotation(rotation, scales)
+    if skip_dtype is None:
+        skip_dtype = (scales.skip_dtype if scales is not None else None) or "auto"
     if skip_layers is None and scales is not None and scales.skip_layers:
         skip_layers = scales.skip_layers
-        logger.info("keeping layers %s in BF16, as chosen at calibration (%s)", skip_layers, scales.source)
-    specs = build_layer_specs(layout, kv_cache_dtype, model_dtype, skip_layers, rot)
+        logger.info(
+            "keeping layers %s in %s, as chosen at calibration (%s)",
+            skip_layers,
+            "the model's dtype" if skip_dtype == "auto" else skip_dtype,
+            scales.source,
+        )
+    specs = build_layer_specs(layout, kv_cache_dtype, model_dtype, skip_layers, rot, skip_dtype)
     if dt.dynamic:
         return specs, {}, _clips(specs, scales), _bases(specs, scales)
     return specs, resolve_scales(specs, model_path, kv_scales, kv_cache_dtype, scales), {}, {}
@@ -341,7 +360,12 @@ def _clips(specs: list[LayerSpec], scales: KVScales | None) -> dict[int, tuple[f
     if scales is None:
         return {}
     _cover(specs, scales.source, "clipping ratios", "K / V", scales.k_clip, scales.v_clip)
-    return {s.layer_idx: (scales.k_clip[s.layer_idx], scales.v_clip[s.layer_idx]) for s in specs if s.dtype.dynamic}
+    # only the layers of the mode they were chosen for: a skipped layer in a per-token 8-bit dtype is dynamic too
+    return {
+        s.layer_idx: (scales.k_clip[s.layer_idx], scales.v_clip[s.layer_idx])
+        for s in specs
+        if s.dtype.name == scales.clip_dtype
+    }
 
 
 def _cover(specs: list[LayerSpec], source: str, what: str, sides: str, a: dict, b: dict) -> None:
@@ -359,6 +383,8 @@ def _bases(specs: list[LayerSpec], scales: KVScales | None) -> dict[int, KeyBasi
     _cover(specs, scales.source, "key bases", "k_mean / k_smooth", scales.k_mean, scales.k_smooth)
     out = {}
     for s in specs:
+        if s.dtype.quantized and s.dtype.name != scales.clip_dtype:
+            continue  # a kept layer in a per-token 8-bit dtype: auto-skip measured it without the basis
         i, shape = s.layer_idx, (s.num_kv_heads, s.head_dim)
         for name, t in (("k_mean", scales.k_mean[i]), ("k_smooth", scales.k_smooth[i])):
             if tuple(t.shape) != shape:

@@ -5,6 +5,7 @@ whole path runs: calibrate -> checkpoint -> engine (scales and rotation picked
 up from the checkpoint metadata) -> logits, plus the refusals a user hits.
 """
 
+import dataclasses
 import json
 import math
 
@@ -280,6 +281,48 @@ def test_auto_skip_selection(llama, tmp_path):
     assert not any(s.dtype.quantized for s in engine.layer_specs)  # left unquantized
 
 
+def test_auto_skip_keeps_layers_in_8_bits(llama, tmp_path, capsys):
+    """--kv-cache-dtype-skip-dtype int8_per_token_head: a 4-bit cache's kept layers hold per-token int8, in the
+    search's passes as in the served checkpoint; the per-layer sensitivities stay measured against BF16."""
+    cal = calibrate(llama, samples=Samples(_chunks(2, 32)), kv_cache_dtype="int4_per_token_head", progress=False)
+    held = _chunks(2, 40, seed=9)
+    engine = load_engine(llama, seq_len=40).llm_engine
+    plain = select_skip_layers(engine, cal, held, max_ppl_delta=-1e9, progress=False)
+    rec = select_skip_layers(
+        engine, cal, held, max_ppl_delta=-1e9, progress=False, skip_dtype="int8_per_token_head"
+    )  # an impossible budget: every point of the search is measured, the last one too
+    assert rec["skip_dtype"] == "int8_per_token_head" and plain["skip_dtype"] == "auto"
+    assert rec["layers"] == plain["layers"] and rec["ranking"] == plain["ranking"]
+    assert rec["skip_layers"] == [0, 1, 2] and len(rec["search"]) == 4
+    assert rec["search"][0] == plain["search"][0]  # nothing kept: the same cache
+    every8 = LLM(llama, kv_cache_dtype="int8_per_token_head", num_blocks=8).llm_engine
+    assert rec["search"][3]["ppl_delta_pct"] == pytest.approx(_ppl_delta(every8, engine, held), abs=1e-9)
+    assert rec["search"][3]["ppl_delta_pct"] != 0.0 and plain["search"][3]["ppl_delta_pct"] == 0.0
+    # the checkpoint keeps the most sensitive layer in int8 and the rest in int4: served as the search measured it
+    top = rec["ranking"][0]
+    cal.skip_layers, cal.skip_dtype = [top], "int8_per_token_head"
+    out = write_checkpoint(cal, tmp_path / "int4-skip8")
+    assert json.loads((out / "config.json").read_text())["qkv_kv_cache"]["skip_dtype"] == "int8_per_token_head"
+    served = LLM(str(out), kv_cache_dtype="int4_per_token_head", num_blocks=8).llm_engine
+    names = [s.dtype.name for s in served.layer_specs]
+    assert names == ["int8_per_token_head" if i == top else "int4_per_token_head" for i in range(3)]
+    assert _ppl_delta(served, engine, held) == pytest.approx(rec["search"][1]["ppl_delta_pct"], abs=1e-9)
+    # per token and layer, 2 kv heads of 16: int4 2 x 2 x 8 bytes, int8 2 x 2 x 16, each with 2 x 2 fp32 scales
+    assert served.kv_bytes_per_token == 2 * (32 + 16) + (64 + 16)
+    # the 4-bit clipping ratios go to the 4-bit layers only
+    cal.clips = [dataclasses.replace(c, k_clip=0.5, v_clip=0.75) for c in cal.clips or []]
+    clipped = LLM(str(write_checkpoint(cal, tmp_path / "clipped")), kv_cache_dtype="int4_per_token_head", num_blocks=8)
+    ratios = [(c.k_clip, c.v_clip) for c in clipped.llm_engine.cache.layers]
+    assert ratios == [(1.0, 1.0) if i == top else (0.5, 0.75) for i in range(3)]
+    bf16 = LLM(str(out), kv_cache_dtype="int4_per_token_head", kv_cache_dtype_skip_dtype="auto", num_blocks=8)
+    assert not bf16.llm_engine.layer_specs[top].dtype.quantized  # an explicit flag wins: the model dtype
+    with pytest.raises(ValueError, match="kv_cache_dtype_skip_dtype: --kv-cache-dtype-skip-dtype must be one of"):
+        LLM(llama, kv_cache_dtype="int4_per_token_head", kv_cache_dtype_skip_dtype="int8", num_blocks=8)
+    args = ["calibrate", llama, "--kv-cache-dtype", "int4_per_token_head", "-o", str(tmp_path / "x")]
+    assert main([*args, "--kv-cache-dtype-skip-dtype", "int8_per_token_head"]) == 2
+    assert "--kv-cache-dtype-skip-dtype: auto-skip's flag; add --auto-skip" in capsys.readouterr().err
+
+
 def test_auto_skip_cli_writes_and_engine_applies(llama, tmp_path, capsys):
     text = tmp_path / "calib.txt"
     text.write_text(TEXT)
@@ -310,7 +353,7 @@ def test_auto_skip_cli_writes_and_engine_applies(llama, tmp_path, capsys):
     )  # a negative budget is bad input
     args = ["calibrate", llama, "--dataset", str(text), "--num-samples", "2", "--seq-len", "32", "-o", str(out)]
     assert main([*args, "--auto-skip-stop", "point"]) == 2  # auto-skip's flag without --auto-skip
-    assert "--auto-skip-stop are auto-skip's; add --auto-skip" in capsys.readouterr().err
+    assert "--auto-skip-stop: auto-skip's flag; add --auto-skip" in capsys.readouterr().err
     assert (
         main(
             [

@@ -146,6 +146,11 @@ def test_sampling_params_changed_after_construction_are_refused_at_add(llm):
             "'sliding_window' or layer indices, got 'first'",
         ),
         (dict(kv_cache_dtype_skip_layers=[-1]), "kv_cache_dtype_skip_layers must hold layer indices >= 0, got -1"),
+        (
+            dict(kv_cache_dtype_skip_dtype="int8"),
+            "kv_cache_dtype_skip_dtype: --kv-cache-dtype-skip-dtype must be one of auto, int8_per_token_head, "
+            "fp8_per_token_head",
+        ),
         (dict(prefix_caching_hash_algo="builtin"), "prefix_caching_hash_algo must be one of sha256; got 'builtin'"),
     ],
 )
