@@ -161,7 +161,7 @@ def select_skip_layers(
 
     search = []
     chosen: list[int] = list(ranking)
-    label = kept_in({"skip_dtype": skip_dtype})
+    label = kept_in(skip_dtype)
     for k in range(n_layers + 1):
         keep = sorted(ranking[:k])
         if k == n_layers and skip_dtype == "auto":
@@ -197,11 +197,10 @@ def select_skip_layers(
     }
 
 
-def kept_in(record: dict) -> str:
-    """What the kept layers hold, for messages and the figure: BF16 (the model's dtype; records made before
-    ``skip_dtype`` existed have none) or the per-token 8-bit dtype."""
-    dtype = record.get("skip_dtype", "auto")
-    return "BF16" if dtype == "auto" else dtype
+def kept_in(skip_dtype: str) -> str:
+    """What the kept layers hold, for messages and the figure: BF16 (``"auto"``, the model's dtype; records made
+    before ``skip_dtype`` existed have none) or the per-token 8-bit dtype."""
+    return "BF16" if skip_dtype == "auto" else skip_dtype
 
 
 def _targets(ids: list[int]) -> torch.Tensor:
@@ -212,6 +211,7 @@ def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
     """Per-layer KL and ppl change (kept layers highlighted) and the selection curve, as a PNG."""
     layers = record["layers"]
     keep = set(record["skip_layers"])
+    kept = kept_in(record.get("skip_dtype", "auto"))
     idx = [d["layer"] for d in layers]
     colors = ["tab:red" if i in keep else "tab:blue" for i in idx]
     fig = Figure(figsize=(9, 9), constrained_layout=True)  # no pyplot: no global backend or figure state
@@ -219,7 +219,7 @@ def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
     a1.bar(idx, [max(d["kl_mean"], 1e-9) for d in layers], color=colors)
     a1.set_yscale("log")
     a1.set_ylabel("mean KL (one layer quantized)")
-    a1.set_title(f"{title}: red = kept in {kept_in(record)} ({len(keep)} of {len(layers)})")
+    a1.set_title(f"{title}: red = kept in {kept} ({len(keep)} of {len(layers)})")
     a2.bar(idx, [d["ppl_delta_pct"] for d in layers], color=colors)
     a2.axhline(0, color="black", lw=0.5)
     a2.set_ylabel("ppl change % (one layer)")
@@ -236,7 +236,7 @@ def plot_sensitivity(record: dict, title: str, path: str | Path) -> Path:
         )
     a3.axhline(record["max_ppl_delta_pct"], color="tab:red", ls="--", label="budget")
     a3.xaxis.set_major_locator(MaxNLocator(integer=True))  # a count of layers: no half-layer ticks
-    a3.set_xlabel(f"layers kept in {kept_in(record)} (most sensitive first)")
+    a3.set_xlabel(f"layers kept in {kept} (most sensitive first)")
     a3.set_ylabel("ppl change % (all others quantized)")
     a3.legend()
     path = Path(path)

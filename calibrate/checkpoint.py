@@ -176,7 +176,7 @@ def qkv_section(cal: Calibration, scales_file: str) -> dict:
         "dynamic": cal.kv_dtype.dynamic,
         "rotation": cal.rotation or "none",
         "skip_layers": list(cal.skip_layers or []),
-        "skip_dtype": cal.skip_dtype or "auto",
+        "skip_dtype": cal.skip_dtype,
         "scales_file": scales_file,
         "scale_dtype": "float32",
         "scale_convention": scale_convention(cal) + ("; on Hadamard-rotated K/V" if cal.rotation else ""),
@@ -233,7 +233,7 @@ def _file_meta(cal: Calibration) -> dict[str, str]:
         "strategy": strategy,
         "rotation": cal.rotation or "none",
         "skip_layers": ",".join(map(str, cal.skip_layers or [])),
-        "skip_dtype": cal.skip_dtype or "auto",
+        "skip_dtype": cal.skip_dtype,
         "scale_convention": scale_convention(cal),
         **_grid(cal),
     }
@@ -304,7 +304,7 @@ def write_checkpoint(cal: Calibration, out: str | Path, weights: str = "link", o
                 f"{' '.join(map(str, cal.skip_layers))} (auto-skip's choice; vLLM does not read it"
                 + (
                     f", and keeps them in the model's dtype, where qkv uses {cal.skip_dtype})"
-                    if cal.skip_dtype
+                    if cal.skip_dtype != "auto"
                     else ")"
                 )
             )

@@ -176,8 +176,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             stop=opts.auto_skip_stop or "upper",
             skip_dtype=skip_dtype,
         )
-        cal.skip_layers = cal.sensitivity["skip_layers"]
-        cal.skip_dtype = None if skip_dtype == "auto" else skip_dtype
+        cal.skip_layers, cal.skip_dtype = cal.sensitivity["skip_layers"], skip_dtype
     cal.wall_time_s = time.perf_counter() - t0  # dataset loading included
     write_checkpoint(cal, out, weights=opts.weights, overwrite=opts.overwrite)
     if cal.sensitivity is not None:
@@ -193,7 +192,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         if cal.sensitivity is not None:
             s = cal.sensitivity
             print(
-                f"auto-skip: keep layers {s['skip_layers'] or 'none'} in {kept_in(s)} "
+                f"auto-skip: keep layers {s['skip_layers'] or 'none'} in {kept_in(s.get('skip_dtype', 'auto'))} "
                 f"-> ppl {s['ppl_delta_pct']:+.3f}% "
                 "[{:+.2f}, {:+.2f}] ".format(*s["ppl_delta_pct_ci95"])
                 + f"on {s['heldout']['windows']} held-out chunks (budget {s['max_ppl_delta_pct']:g}%, "

@@ -47,7 +47,7 @@ def calibration_record(cal: Calibration, output: dict | None = None) -> dict:
         "strategy": cal.strategy,
         "rotation": cal.rotation or "none",
         "skip_layers": list(cal.skip_layers or []),
-        "skip_dtype": cal.skip_dtype or "auto",
+        "skip_dtype": cal.skip_dtype,
         "auto_skip": cal.sensitivity,
         "fold": cal.fold,
         "scale_convention": scale_convention(cal),

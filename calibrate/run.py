@@ -101,7 +101,7 @@ class Calibration:
     observe_time_s: float = 0.0
     rotation: str | None = None  # "hadamard": scales of rotated K/V (qkv extension)
     skip_layers: list[int] | None = None  # auto-skip's choice of layers kept out of the cache dtype
-    skip_dtype: str | None = None  # what they hold: None for the model's dtype, else a per-token 8-bit dtype
+    skip_dtype: str = "auto"  # what they hold: the model's dtype, or a per-token 8-bit dtype (SKIP_DTYPES)
     sensitivity: dict | None = None  # auto-skip's per-layer measurements
     fold: dict | None = None  # export-vllm --fold: what was folded into the weights before these scales
     clips: list[LayerClip] | None = None  # per-token 4-bit modes: the ratios chosen instead of scales (no layers)

@@ -78,7 +78,7 @@ class KVScales:
     clip_dtype: str | None = None  # the per-token mode the ratios were chosen for
     k_mean: dict[int, torch.Tensor] = field(default_factory=dict)  # per-token modes: key basis per layer
     k_smooth: dict[int, torch.Tensor] = field(default_factory=dict)
-    skip_dtype: str | None = None  # what they hold (None: the model's dtype; else a per-token 8-bit dtype)
+    skip_dtype: str = "auto"  # what they hold: the model's dtype, or a per-token 8-bit dtype (SKIP_DTYPES)
 
 
 def _warn_once(msg: str) -> None:
@@ -191,14 +191,13 @@ def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | No
     if isinstance(skip, str):  # safetensors metadata holds strings: "3,7" / "sliding_window,3"
         skip = [x for x in skip.replace(",", " ").split()]
     skip = [int(x) if str(x).isdigit() else x for x in skip] if skip else None
-    skip_dtype = src.get("skip_dtype") or None
-    if skip_dtype is not None:
-        from .layer_specs import check_skip_dtype
+    skip_dtype = str(src.get("skip_dtype") or "auto")  # a checkpoint without the key: the model's dtype
+    from .layer_specs import check_skip_dtype
 
-        try:
-            check_skip_dtype(str(skip_dtype))
-        except ValueError as e:
-            raise ValueError(f"{flag} {path}: skip_dtype: {e}") from None
+    try:
+        check_skip_dtype(skip_dtype)
+    except ValueError as e:
+        raise ValueError(f"{flag} {path}: skip_dtype: {e}") from None
     k_clip, v_clip = ({i: _clip(t, flag, path) for i, t in clips[side].items()} for side in "kv")
     clip_dtype = src.get("kv_cache_dtype") if k_clip or v_clip else None
     return KVScales(
@@ -215,7 +214,7 @@ def read_kv_scales(path: str | Path, flag: str = "--kv-scales") -> KVScales | No
         clip_dtype,
         k_mean=clips["mean"],
         k_smooth=clips["smooth"],
-        skip_dtype=None if skip_dtype in (None, "auto") else str(skip_dtype),
+        skip_dtype=skip_dtype,
     )
 
 
@@ -319,8 +318,8 @@ def resolve_kv_cache(
     elif dt.packed:  # only the 4-bit per-token modes are calibrated (clipping ratios); the others read nothing
         scales = _load_clips(model_path, kv_scales, dt.name)
     rot = _rotation(rotation, scales)
-    if skip_dtype is None:
-        skip_dtype = (scales.skip_dtype if scales is not None else None) or "auto"
+    if skip_dtype is None:  # no flag: what the checkpoint's auto-skip chose
+        skip_dtype = scales.skip_dtype if scales is not None else "auto"
     if skip_layers is None and scales is not None and scales.skip_layers:
         skip_layers = scales.skip_layers
         logger.info(
@@ -360,12 +359,15 @@ def _clips(specs: list[LayerSpec], scales: KVScales | None) -> dict[int, tuple[f
     if scales is None:
         return {}
     _cover(specs, scales.source, "clipping ratios", "K / V", scales.k_clip, scales.v_clip)
-    # only the layers of the mode they were chosen for: a skipped layer in a per-token 8-bit dtype is dynamic too
     return {
-        s.layer_idx: (scales.k_clip[s.layer_idx], scales.v_clip[s.layer_idx])
-        for s in specs
-        if s.dtype.name == scales.clip_dtype
+        s.layer_idx: (scales.k_clip[s.layer_idx], scales.v_clip[s.layer_idx]) for s in specs if _calibrated(s, scales)
     }
+
+
+def _calibrated(spec: LayerSpec, scales: KVScales) -> bool:
+    """Whether a layer holds the per-token mode its ratios and key basis were chosen for: not a kept layer, BF16
+    or a per-token 8-bit one (dynamic too), which auto-skip measured without them."""
+    return spec.dtype.name == scales.clip_dtype
 
 
 def _cover(specs: list[LayerSpec], source: str, what: str, sides: str, a: dict, b: dict) -> None:
@@ -383,8 +385,6 @@ def _bases(specs: list[LayerSpec], scales: KVScales | None) -> dict[int, KeyBasi
     _cover(specs, scales.source, "key bases", "k_mean / k_smooth", scales.k_mean, scales.k_smooth)
     out = {}
     for s in specs:
-        if s.dtype.quantized and s.dtype.name != scales.clip_dtype:
-            continue  # a kept layer in a per-token 8-bit dtype: auto-skip measured it without the basis
         i, shape = s.layer_idx, (s.num_kv_heads, s.head_dim)
         for name, t in (("k_mean", scales.k_mean[i]), ("k_smooth", scales.k_smooth[i])):
             if tuple(t.shape) != shape:
@@ -393,7 +393,7 @@ def _bases(specs: list[LayerSpec], scales: KVScales | None) -> dict[int, KeyBasi
             basis = KeyBasis(scales.k_mean[i], scales.k_smooth[i])
         except ValueError as e:
             raise ValueError(f"{scales.source}: layer {i}: {e}") from None
-        if s.dtype.dynamic:
+        if _calibrated(s, scales):
             out[i] = basis
     return out
 
