@@ -54,6 +54,10 @@ class VllmEngine:
         env = {
             k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
         }
+        # pause() can freeze the engine core while it waits on its worker (the empty step that follows a finished
+        # request), and that wait's deadline is on the monotonic clock, which runs on under SIGSTOP: frozen past
+        # vLLM's default 300 s, the engine would die on resume with "RPC call to execute_model timed out".
+        env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(7 * 24 * 3600))
         self.proc = subprocess.Popen(
             [str(python), str(WORKER), json.dumps(spec)],
             stdin=subprocess.PIPE,
