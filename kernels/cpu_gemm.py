@@ -7,7 +7,8 @@ bytes; the kernel reads the 16-bit weights once and widens them in registers. At
 arithmetic is the bound, its register tiles keep it ahead of oneDNN's fp32 inner product to about a hundred rows
 (``scripts/bench_few_rows.py``). It computes what torch's 16-bit kernels compute (exact products, fp32 sums, one
 rounding) in a fixed order that makes every row's result independent of the rows beside it and of the thread
-count (the header says which order).
+count (the header says which order). Where the build has AVX-512, calls of six rows or more multiply two weight
+rows to a register, in that same order: the bits do not depend on which of the two builds ran.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class SmallGemm:
         self._fn = lib.qkv_small_gemm
         self._fn.argtypes = [ctypes.POINTER(_Args)]
         self._fn.restype = ctypes.c_int
+        # 512 where the build multiplies from SMALL_GEMM_WIDEN_ROWS rows on in AVX-512 registers (the same bits);
+        # a library built from an older commit (scripts/bench_few_rows.py --baseline) has AVX2's only
+        bits = getattr(lib, "qkv_small_gemm_vector_bits", None)
+        self.vector_bits: int = bits() if bits is not None else 256
 
     @classmethod
     def build(cls, build_dir: Path) -> SmallGemm | None:

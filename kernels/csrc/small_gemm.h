@@ -10,7 +10,9 @@
 // rows keep twelve accumulators in flight, with the x vectors held in registers, and from a handful of rows on
 // each weight tile is widened once into a per-thread buffer rather than once per group. So the kernel stays
 // ahead of oneDNN's fp32 inner product on the copies to about a hundred rows, where batched decode steps
-// live (scripts/bench_few_rows.py measures where they cross).
+// live (scripts/bench_few_rows.py measures where they cross). With AVX-512, from that handful of rows on, a
+// register holds two weight rows side by side and a group is six rows of x (small_gemm_tile512, below): the same
+// accumulators, so the same bits, at twice the products per instruction.
 //
 // Prefetch: a tile reads NB weight rows side by side, a few cache lines each (1,152 bytes for K = 576), so the
 // hardware prefetcher sees NB short streams that end before it has ramped up, and a one-row call ran at about
@@ -148,6 +150,81 @@ static inline void small_gemm_tile_all_rows(const SmallGemmArgs& a, const float*
   small_gemm_tile_rows<NB, F32>(a, xf, K8, wide, K8, n0);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// AVX-512, from SMALL_GEMM_WIDEN_ROWS rows on, where the product is the bound: the same lanes in a register twice
+// as wide. A zmm holds two weight rows side by side (lanes 0-7 row n's eight columns, lanes 8-15 row n + 1's same
+// eight), times the row of x's eight broadcast to both halves, so each half is exactly one of the AVX2 tile's
+// accumulators, and the same lane sums finish it: the bits are the AVX2 path's, with twice the products per
+// instruction. The tile is widened into pairs interleaved by eight columns, so that one aligned load feeds a zmm.
+constexpr int SMALL_GEMM_PAIRS = 4;  // eight weight rows a tile: 6 x-rows x 4 pairs = 24 accumulators of 32 zmm
+
+template <int MR>
+static inline void small_gemm_tile512(const SmallGemmArgs& a, const float* xf, int64_t K8, int64_t m0,
+                                      const float* wide, int64_t n0) {
+  __m512 acc[MR][SMALL_GEMM_PAIRS];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < SMALL_GEMM_PAIRS; ++p) acc[m][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m512 xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = _mm512_broadcast_f32x8(_mm256_loadu_ps(xf + (m0 + m) * K8 + k));
+    for (int p = 0; p < SMALL_GEMM_PAIRS; ++p) {
+      const __m512 wv = _mm512_load_ps(wide + p * 2 * K8 + 2 * k);
+      for (int m = 0; m < MR; ++m) acc[m][p] = _mm512_fmadd_ps(wv, xv[m], acc[m][p]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < SMALL_GEMM_PAIRS; ++p)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 half = h ? _mm512_extractf32x8_ps(acc[m][p], 1) : _mm512_castps512_ps256(acc[m][p]);
+        const int64_t n = n0 + 2 * p + h;
+        float s = lane_sum(half);
+        if (a.bias) s += load_f32(a.bias, n, a.dtype);
+        store_f32(a.y, (m0 + m) * a.N + n, s, a.dtype);
+      }
+}
+
+// Widens (or copies, for fp32) the 2 * SMALL_GEMM_PAIRS weight rows from n0 into `wide`, pairs interleaved by
+// eight columns and zero-padded to K8, then passes every row of x over them.
+template <int32_t DT>
+static inline void small_gemm_tile512_all_rows(const SmallGemmArgs& a, const float* xf, int64_t K8, float* wide,
+                                               int64_t n0) {
+  using W = std::conditional_t<DT == F32, float, uint16_t>;
+  const W* w = static_cast<const W*>(a.w) + n0 * a.K;
+  for (int j = 0; j < 2 * SMALL_GEMM_PAIRS; ++j) {
+    float* dst = wide + (j / 2) * 2 * K8 + (j % 2) * 8;
+    int64_t k = 0;
+    for (; k + 8 <= a.K; k += 8) _mm256_store_ps(dst + 2 * k, widen8<DT>(w + j * a.K + k));
+    for (; k < K8; ++k) dst[2 * (k / 8 * 8) + k % 8] = k < a.K ? load_f32(w, j * a.K + k, DT) : 0.0f;
+  }
+  int64_t m0 = 0;
+  for (; m0 + 6 <= a.M; m0 += 6) small_gemm_tile512<6>(a, xf, K8, m0, wide, n0);
+  switch (a.M - m0) {  // the last 1-5 rows
+    case 5: small_gemm_tile512<5>(a, xf, K8, m0, wide, n0); break;
+    case 4: small_gemm_tile512<4>(a, xf, K8, m0, wide, n0); break;
+    case 3: small_gemm_tile512<3>(a, xf, K8, m0, wide, n0); break;
+    case 2: small_gemm_tile512<2>(a, xf, K8, m0, wide, n0); break;
+    case 1: small_gemm_tile512<1>(a, xf, K8, m0, wide, n0); break;
+    default: break;
+  }
+}
+
+template <int32_t DT>
+static void small_gemm_all512(const SmallGemmArgs& a, const float* xf, int64_t K8) {
+  constexpr int NB = 2 * SMALL_GEMM_PAIRS;
+  const int64_t tiles = a.N / NB;
+#pragma omp parallel num_threads(a.num_threads) if (a.N * a.K > (1 << 15))
+  {
+    float* wide = static_cast<float*>(std::aligned_alloc(64, NB * K8 * sizeof(float)));  // K8 * 32 bytes: whole lines
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) small_gemm_tile512_all_rows<DT>(a, xf, K8, wide, t * NB);
+#pragma omp single
+    for (int64_t n = tiles * NB; n < a.N; ++n) small_gemm_tile_all_rows<1, DT>(a, xf, K8, wide, n);
+    std::free(wide);
+  }
+}
+#define QKV_SMALL_GEMM_512 1
+#endif
+
 template <int NB, int32_t DT>
 static void small_gemm_all(const SmallGemmArgs& a, const float* xf, int64_t K8) {
   const int64_t tiles = a.N / NB;
@@ -169,6 +246,17 @@ extern "C" int qkv_small_gemm(const SmallGemmArgs* a) {
   std::vector<float> xf(a->M * K8, 0.0f);  // x widened once (exactly), zero-padded to whole vectors
   for (int64_t m = 0; m < a->M; ++m)
     for (int64_t k = 0; k < a->K; ++k) xf[m * K8 + k] = load_f32(a->x, m * a->K + k, a->dtype);
+#ifdef QKV_SMALL_GEMM_512
+  if (a->M >= SMALL_GEMM_WIDEN_ROWS) {
+    if (a->dtype == BF16)
+      small_gemm_all512<BF16>(*a, xf.data(), K8);
+    else if (a->dtype == F16)
+      small_gemm_all512<F16>(*a, xf.data(), K8);
+    else
+      small_gemm_all512<F32>(*a, xf.data(), K8);
+    return 0;
+  }
+#endif
   // Four weight rows a tile: 3 x 4 accumulators, three rows of x and one weight vector fill the 16 registers.
   if (a->dtype == BF16)
     small_gemm_all<4, BF16>(*a, xf.data(), K8);
@@ -179,8 +267,18 @@ extern "C" int qkv_small_gemm(const SmallGemmArgs* a) {
   return 0;
 }
 
+// The widest vectors the kernel multiplies on in this build: 512 where -march enabled AVX-512 F and DQ, else 256.
+extern "C" int qkv_small_gemm_vector_bits() {
+#ifdef QKV_SMALL_GEMM_512
+  return 512;
+#else
+  return 256;
+#endif
+}
+
 #else
 
+extern "C" int qkv_small_gemm_vector_bits() { return 0; }
 extern "C" int qkv_small_gemm(const void*) { return 2; }  // built without AVX2, FMA and F16C: the launcher falls back
 
 #endif

@@ -9,6 +9,9 @@ from one rounding only when the fp64 sum lands exactly on an fp32 midpoint (abou
 seeds' operands have none, and a case that did would fail here, not pass.
 """
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,6 +30,12 @@ SHAPES = [  # (M, N, K): SmolLM2's projections, tails in N (not a multiple of 4)
     (6, 9, 13),
     (40, 193, 1536),
     (97, 576, 576),
+    # AVX-512 builds take eight weight rows a tile and x in groups of six from 6 rows on: tails of 1 to 5 rows
+    (7, 16, 8),
+    (10, 24, 20),
+    (11, 17, 576),
+    (15, 8, 64),
+    (16, 40, 24),
 ]
 
 
@@ -95,6 +104,17 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_threads(gemm, dt
         torch.set_num_threads(before)
     assert torch.equal(bits(together), bits(alone))
     assert torch.equal(bits(together), bits(one_thread))
+
+
+def test_the_wide_path_is_built_where_the_cpu_has_avx512(gemm):
+    """An AVX-512 build multiplies calls of six rows or more two weight rows to a register (the same bits, checked
+    by the tests above on such a machine); the others keep the AVX2 tiles. Says which one the tests above checked."""
+    flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    march = os.environ.get("QKV_CPU_MARCH", "native")  # .ci/run's rerun builds for x86-64-v3 (AVX2)
+    avx512 = {"avx512f", "avx512dq"} <= set(flags) if march == "native" else march == "x86-64-v4"
+    want = 512 if avx512 else 256
+    print(f"few-row kernel: {gemm.vector_bits}-bit vectors from 6 rows on")
+    assert gemm.vector_bits == want
 
 
 def test_exact_where_the_sums_are_exact(gemm):
