@@ -78,6 +78,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
+@pytest.mark.exactness  # the rerun on AVX2 code paths checks that build's bits too
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_kernel_is_its_reference_bit_for_bit(gemm, m, n, k, dtype):
@@ -88,6 +89,7 @@ def test_kernel_is_its_reference_bit_for_bit(gemm, m, n, k, dtype):
         assert torch.equal(bits(y), bits(reference(x, w, bias)))
 
 
+@pytest.mark.exactness  # the rerun on AVX2 code paths checks that build's bits too
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_threads(gemm, dtype):
     """Alone, each 16-bit row takes the one-row tiles on the 16-bit weights; in a call of 41 it shares groups of
@@ -106,6 +108,7 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_threads(gemm, dt
     assert torch.equal(bits(together), bits(one_thread))
 
 
+@pytest.mark.exactness  # the rerun on AVX2 code paths checks that build's bits too
 def test_the_wide_path_is_built_where_the_cpu_has_avx512(gemm):
     """An AVX-512 build multiplies calls of six rows or more two weight rows to a register (the same bits, checked
     by the tests above on such a machine); the others keep the AVX2 tiles. Says which one the tests above checked."""
