@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch
 
 from qkv import LLM, SamplingParams
 from qkv.eval.latency import random_prompts, rotate_order
-from qkv.eval.machine import cpu_info
+from qkv.eval.machine import cpu_info, source_commit
 from qkv.eval.vllm_engine import VllmEngine, VllmError, default_vllm_python, vllm_fp8_supported
 from qkv.registry import resolve_model
 
@@ -252,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     model = str(resolve_model(args.model))
     cpu = cpu_info()
     fp8_ok = vllm_fp8_supported()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     report: dict = {
         "model": args.model,
         "workloads": {
@@ -264,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__,
             "python": platform.python_version(),
-            "qkv_commit": commit.strip(),
+            "qkv_commit": source_commit(ROOT),  # at the start: the code the engines loaded
             "load_average_before": os.getloadavg(),
         },
         "qkv_compile_model": not args.eager,
