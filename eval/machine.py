@@ -46,16 +46,20 @@ def source_commit(root: Path | None = None) -> str | None:
     """The checkout's commit (``git rev-parse --short HEAD``), with ``+dirty`` where tracked files differ from it,
     so that a figure measured on uncommitted code says so; None outside a git checkout. ``root`` defaults to the
     checkout this module is in."""
-    root = root or Path(__file__).resolve().parent.parent
+    root = (root or Path(__file__).resolve().parent.parent).resolve()
     try:
         git = ["git", "-C", str(root)]
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        top, head = subprocess.run(
+            [*git, "rev-parse", "--show-toplevel", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.split()
         changed = subprocess.run(
             [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
         )
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, ValueError, subprocess.CalledProcessError):
         return None
-    return head.stdout.strip() + ("+dirty" if changed.stdout.strip() else "")
+    if Path(top).resolve() != root:  # an installed copy inside some other repository (a venv in a project)
+        return None
+    return head + ("+dirty" if changed.stdout.strip() else "")
 
 
 def write_report(report: dict, path: Path) -> None:

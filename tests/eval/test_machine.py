@@ -28,6 +28,18 @@ def test_no_commit_outside_a_checkout(tmp_path, monkeypatch):
     assert source_commit(tmp_path) is None
 
 
+def test_no_commit_for_a_copy_inside_another_repository(tmp_path):
+    """A non-editable install in a venv inside a user's project is not that project's code."""
+    git(tmp_path, "init", "-q")
+    (tmp_path / "README").write_text("a project\n")
+    git(tmp_path, "add", "README")
+    git(tmp_path, "commit", "-q", "-m", "one")
+    installed = tmp_path / ".venv" / "site-packages" / "qkv"
+    installed.mkdir(parents=True)
+    assert source_commit(tmp_path) is not None
+    assert source_commit(installed) is None
+
+
 def test_the_report_keeps_a_commit_taken_at_the_start(tmp_path):
     out = tmp_path / "r.json"
     report = {"env": {"cpu": cpu_info(), "qkv_commit": "abc1234"}}

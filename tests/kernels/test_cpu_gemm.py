@@ -10,11 +10,11 @@ seeds' operands have none, and a case that did would fail here, not pass.
 """
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
+from qkv.eval.machine import cpu_info
 from qkv.kernels.cpu_gemm import SmallGemm
 from qkv.registry import default_cache_dir
 
@@ -112,9 +112,9 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_threads(gemm, dt
 def test_the_wide_path_is_built_where_the_cpu_has_avx512(gemm):
     """An AVX-512 build multiplies calls of six rows or more two weight rows to a register (the same bits, checked
     by the tests above on such a machine); the others keep the AVX2 tiles. Says which one the tests above checked."""
-    flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")).split()
+    flags = set(cpu_info()["flags"])
     march = os.environ.get("QKV_CPU_MARCH", "native")  # .ci/run's rerun builds for x86-64-v3 (AVX2)
-    avx512 = {"avx512f", "avx512dq"} <= set(flags) if march == "native" else march == "x86-64-v4"
+    avx512 = {"avx512f", "avx512dq"} <= flags if march == "native" else march == "x86-64-v4"
     want = 512 if avx512 else 256
     print(f"few-row kernel: {gemm.vector_bits}-bit vectors from 6 rows on")
     assert gemm.vector_bits == want
